@@ -1,0 +1,224 @@
+"""A compressible KV cache with positions re-assigned inside the cache.
+
+Why it looks like this:
+
+* One entry per KV head (GQA), never per query head, so memory is what the model really needs.
+* Each layer may hold a different number of tokens (PyramidKV), and each KV head keeps its own
+  choice of tokens (SnapKV-style per-head selection); within a layer the heads keep equally many.
+* Positions are re-assigned after every eviction (StreamingLLM, TreeKV section 4.1): the cached
+  tokens of a layer sit at consecutive positions that end right before the next block, so a
+  stream of millions of tokens never leaves the model's trained positions.
+* Keys are stored as they were rotated when they entered (RoPE at their entry position) and are
+  rotated by the difference to their current position each time they are read. Rotating the
+  stored copy in place after every eviction would round a long-lived key once per move in bf16;
+  rotating from the entry copy rounds it once, however long it lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate RoPE keys ``[1, H, T, D]`` by ``delta`` positions ``[H, T]`` (a pure rotation, no scaling).
+
+    RoPE is a rotation per frequency pair, so moving a key from position p to p' is one more
+    rotation by p' - p, computed in float32 and rounded once.
+    """
+    rot_dim = inv_freq.shape[0] * 2
+    angle = delta.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+    angle = torch.cat((angle, angle), dim=-1)
+    k = keys[..., :rot_dim].to(torch.float32)
+    rotated = (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)
+    if rot_dim == keys.shape[-1]:
+        return rotated
+    return torch.cat((rotated, keys[..., rot_dim:]), dim=-1)
+
+
+@dataclass
+class AttentionRecord:
+    """Attention paid by the last ``window`` queries of a forward pass, summed over those queries.
+
+    ``probs`` has shape ``[H_kv, group, T]``: per KV head, per query head of its group, per key.
+    """
+
+    probs: torch.Tensor
+    window: int
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One layer's keys, values and per-token bookkeeping, gathered together on every eviction."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: KVCache, layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.entry_pos: torch.Tensor | None = None  # [H, T] position each key was rotated at
+        self.token_idx: torch.Tensor | None = None  # [H, T] index of the token in the stream
+        self.state: dict[str, torch.Tensor] = {}  # method-owned per-token tensors [H, T]
+        self.moved = False  # True once an eviction has shifted some kept key's position
+        self.record: AttentionRecord | None = None
+
+    # --- transformers' CacheLayerMixin -------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        if batch != 1:
+            raise ValueError("kvcli streams one sequence at a time (batch size 1)")
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_empty((1, heads, 0, dim))
+        self.values = value_states.new_empty((1, heads, 0, value_states.shape[-1]))
+        self.entry_pos = torch.empty((heads, 0), dtype=torch.long, device=self.device)
+        self.token_idx = torch.empty((heads, 0), dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        owner = self.owner
+        cached = self.current_keys(owner.block_start)
+        keys = torch.cat((cached, key_states), dim=-2)
+        values = torch.cat((self.values, value_states), dim=-2)
+        if owner.probing:  # query-aware scoring: attend, record, but keep nothing
+            return keys, values
+        new = key_states.shape[-2]
+        heads = key_states.shape[1]
+        positions = torch.arange(owner.block_start, owner.block_start + new, device=self.device)
+        tokens = torch.arange(owner.stream_start, owner.stream_start + new, device=self.device)
+        self.keys = torch.cat((self.keys, key_states), dim=-2)
+        self.values = values
+        self.entry_pos = torch.cat((self.entry_pos, positions.expand(heads, new)), dim=-1)
+        self.token_idx = torch.cat((self.token_idx, tokens.expand(heads, new)), dim=-1)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.entry_pos = self.token_idx = None
+        self.state = {}
+        self.moved = False
+        self.record = None
+        self.is_initialized = False
+
+    # --- kvcli ---------------------------------------------------------------------------------
+    def current_positions(self, block_start: int) -> torch.Tensor:
+        """Positions the cached tokens hold now: consecutive, ending right before ``block_start``."""
+        length = self.get_seq_length()
+        return torch.arange(block_start - length, block_start, device=self.device)
+
+    def current_keys(self, block_start: int) -> torch.Tensor:
+        """Cached keys rotated to their current positions (a no-op until an eviction moves them)."""
+        length = self.get_seq_length()
+        if length == 0 or (not self.moved and block_start == length):
+            return self.keys  # never evicted: every key still sits where it entered
+        delta = self.current_positions(block_start)[None, :] - self.entry_pos
+        return rotate_keys(self.keys, delta, self.owner.inv_freq)
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending), dropping the rest."""
+        heads, count = indices.shape
+        gather = indices[None, :, :, None]
+        self.keys = self.keys.gather(2, gather.expand(1, heads, count, self.keys.shape[-1]))
+        self.values = self.values.gather(2, gather.expand(1, heads, count, self.values.shape[-1]))
+        self.entry_pos = self.entry_pos.gather(1, indices)
+        self.token_idx = self.token_idx.gather(1, indices)
+        self.state = {name: value.gather(1, indices) for name, value in self.state.items()}
+        self.moved = True
+
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+class KVCache(Cache):
+    """The cache the engine hands to the model: one :class:`CompressedLayer` per decoder layer.
+
+    ``block_start`` is the position the next forward's first token gets; ``stream_start`` is that
+    token's index in the whole stream. The engine sets both before each forward.
+    """
+
+    def __init__(self, num_layers: int, inv_freq: torch.Tensor):
+        super().__init__(layers=[CompressedLayer(self, i) for i in range(num_layers)])
+        self.inv_freq = inv_freq
+        self.block_start = 0
+        self.stream_start = 0
+        self.score_window = 0  # how many of a forward's last queries record their attention
+        self.probing = False
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> KVCache:
+        rotary = model.model.rotary_emb
+        return cls(model.config.num_hidden_layers, rotary.inv_freq.detach().clone())
+
+    def next_position(self) -> int:
+        """The position of the next token: every layer's cache ends right before it."""
+        return max(layer.get_seq_length() for layer in self.layers)
+
+    def lengths(self) -> list[int]:
+        return [layer.get_seq_length() for layer in self.layers]
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+@dataclass
+class LayerView:
+    """What a compression method sees of one layer after a forward pass.
+
+    ``num_new`` tokens were appended since the last compression; ``record`` holds the attention
+    of the last ``record.window`` queries (None when the method asked for no scores).
+    """
+
+    layer_idx: int
+    num_layers: int
+    layer: CompressedLayer
+    num_new: int
+    record: AttentionRecord | None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return self.layer.get_seq_length()
+
+    @property
+    def num_heads(self) -> int:
+        return self.layer.keys.shape[1]
+
+    @property
+    def token_idx(self) -> torch.Tensor:
+        return self.layer.token_idx
+
+    def per_token(self, name: str, fill: float = 0.0) -> torch.Tensor:
+        """A method's per-token state ``[H, T]``, padded with ``fill`` for the tokens that just arrived.
+
+        The tensor lives in the layer and is gathered with keys and values on every eviction, so a
+        score accumulated over many blocks follows its token.
+        """
+        state = self.layer.state.get(name)
+        if state is None:
+            state = torch.full((self.num_heads, 0), fill, dtype=torch.float32, device=self.layer.device)
+        missing = self.length - state.shape[1]
+        if missing > 0:
+            pad = torch.full((self.num_heads, missing), fill, dtype=state.dtype, device=state.device)
+            state = torch.cat((state, pad), dim=1)
+        self.layer.state[name] = state
+        return state

