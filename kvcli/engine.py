@@ -205,6 +205,40 @@ class Engine:
         return totals
 
 
+    def score_sliding(self, token_chunks: Iterable[list[int] | torch.Tensor], context: int, stride: int, *,
+                      on_block: Callable[[BlockStats, StreamTotals], None] | None = None) -> StreamTotals:
+        """The papers' sliding-window protocol (TreeKV Table 1, Hugging Face's perplexity guide).
+
+        Windows of ``context`` tokens start every ``stride`` tokens; each is streamed from an empty
+        cache and only the tokens not scored by an earlier window count (the last ``stride`` ones,
+        all of them for the first window). Only the current window is held in memory.
+        """
+        if stride < 1 or context < stride:
+            raise ValueError("need 1 <= stride <= context")
+        totals = StreamTotals()
+        source = iter(chunk.tolist() if isinstance(chunk, torch.Tensor) else list(chunk) for chunk in token_chunks)
+        buffer: list[int] = []  # tokens from stream index `begin` on
+        begin = scored_end = 0
+        exhausted = False
+        while True:
+            while not exhausted and len(buffer) < context:
+                try:
+                    buffer.extend(next(source))
+                except StopIteration:
+                    exhausted = True
+            window = buffer[:context]
+            if len(window) < 2 or (scored_end > 0 and begin + len(window) <= scored_end):
+                break
+            part = self.score([window], score_from=scored_end - begin, on_block=on_block)
+            totals.add(part)
+            totals.blocks.extend(part.blocks)
+            scored_end = begin + len(window)
+            if part.interrupted or (exhausted and len(buffer) <= context):
+                break
+            buffer = buffer[stride:]
+            begin += stride
+        return totals
+
 def blocks_of(chunks: Iterable[list[int] | torch.Tensor], size: int, limit: int | None = None) -> Iterator[torch.Tensor]:
     """Regroup a stream of token chunks into tensors of ``size`` tokens (the last may be shorter)."""
     pending: list[int] = []

@@ -115,6 +115,17 @@ def _quantization_kwargs(load_in_4bit: bool, load_in_8bit: bool, device: torch.d
     return {"quantization_config": config}
 
 
+def quiet_transformers() -> None:
+    """Keep transformers' own progress bars and notices off stderr, which belongs to kvcli's progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+_LOADED: dict[tuple, LoadedModel] = {}
+
+
 def load_model(
     spec: str = DEFAULT_MODEL,
     *,
@@ -127,12 +138,23 @@ def load_model(
     """Load a model by preset name, local folder, ``.gguf`` file or Hugging Face id.
 
     Local models are loaded with ``local_files_only`` so that no code path touches the network.
+    A process loads each model once: commands run in-process (tests, notebooks) reuse it.
     """
+    key = (spec, device, dtype, device_map, load_in_4bit, load_in_8bit)
+    if key not in _LOADED:
+        _LOADED[key] = _load_model(spec, device=device, dtype=dtype, device_map=device_map,
+                                   load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit)
+    return _LOADED[key]
+
+
+def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, load_in_4bit: bool,
+                load_in_8bit: bool) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     from kvcli.attention import ATTENTION_NAME, register_attention
 
     register_attention()
+    quiet_transformers()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if device_map is not None and torch_device.type != "cuda":

@@ -1,0 +1,3 @@
+from kvcli.cli import main
+
+main()

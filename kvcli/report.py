@@ -1,0 +1,132 @@
+"""Reporting: memory readings, progress on stderr, and the result formats on stdout.
+
+stdout carries only results (text or JSON) so that kvcli composes in shell pipelines; progress,
+warnings and errors go to stderr, and progress is drawn only when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+stderr_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def warn(message: str) -> None:
+    """One line on stderr, never on stdout."""
+    stderr_console.print(f"[yellow]warning:[/yellow] {message}", markup=True)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory measurement, so that model loading does not hide the streaming peak.
+
+    On Linux, writing 5 to ``/proc/self/clear_refs`` resets the resident-set high-water mark.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the most memory torch allocated. CPU: the peak resident set size of this process."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def current_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def mib(value: float) -> str:
+    return f"{value / 2**20:,.1f} MiB"
+
+
+def clean_json(value):
+    """NaN and infinity are not JSON: report them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean_json(v) for v in value]
+    return value
+
+
+def dumps(value) -> str:
+    return json.dumps(clean_json(value), ensure_ascii=False)
+
+
+def print_result(text: str) -> None:
+    """Write a result to stdout; a reader that went away (``| head``) ends the program quietly."""
+    try:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        raise SystemExit(0) from None
+
+
+def _silence_stdout() -> None:
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+class StreamProgress:
+    """A Rich progress line on stderr: tokens, tokens/s, running perplexity, cache size, memory."""
+
+    def __init__(self, total: int | None, device: torch.device, enabled: bool):
+        self.device = device
+        self.enabled = enabled and sys.stderr.isatty()
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.fields[total_text]}"),
+            TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=stderr_console, transient=True,
+            disable=not self.enabled,
+        )
+        self.task = self.progress.add_task("tokens", total=total, total_text=f"{total:,}" if total else "?",
+                                           stats="")
+
+    def update(self, processed: int, tokens_per_second: float, ppl: float, cache_tokens: int,
+               label: str | None = None) -> None:
+        if not self.enabled:
+            return
+        stats = (f"{tokens_per_second:,.0f} tok/s  ppl {ppl:,.2f}  cache {cache_tokens:,}  "
+                 f"mem {mib(current_memory_bytes(self.device))}")
+        fields = {"completed": processed, "stats": stats}
+        if label:
+            fields["description"] = label
+        self.progress.update(self.task, **fields)
+
+    @contextmanager
+    def running(self) -> Iterator[StreamProgress]:
+        with self.progress:
+            yield self
