@@ -204,6 +204,15 @@ def methods(json_out: Annotated[bool, typer.Option("--json", help="A JSON list o
     print_result("\n".join(lines))
 
 
+def _register_commands() -> None:
+    from kvcli.commands import load_all
+
+    load_all()
+
+
+_register_commands()
+
+
 def main() -> None:
     """Console entry point: turn user errors into one line on stderr instead of a traceback."""
     try:

@@ -1,0 +1,113 @@
+"""Engine throughput next to plain transformers baselines on the same tokens (a script, not a test).
+
+    python -m kvcli.benchmarks BOOK --tokens 32768 --cache 1024 --block 256
+
+prints, for the same token stream, model and dtype:
+
+* ``engine``: kvcli's streamed perplexity with the given method, cache and block;
+* ``plain-blocks``: a plain transformers forward (stock SDPA attention, ``DynamicCache``) of blocks of
+  the same size against a cache of the same size: what one block costs without kvcli's bookkeeping;
+* ``hf-sliding``: Hugging Face's documented sliding-window perplexity (window = cache, stride = cache/2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvcli.engine import Engine
+from kvcli.methods import make_method
+from kvcli.models import load_model
+from kvcli.text import iter_tokens, open_source
+
+
+def first_tokens(source: str, tokenizer, count: int) -> list[int]:
+    """The first ``count`` tokens of a source's documents, read as one stream."""
+    ids: list[int] = []
+    for doc in open_source(source):
+        for chunk in iter_tokens(doc, tokenizer):
+            ids.extend(chunk.ids)
+            if len(ids) >= count:
+                return ids[:count]
+    return ids
+
+
+def plain_blocks(model, ids: torch.Tensor, block: int, cache: int) -> float:
+    """Tokens/s of stock forwards of ``block`` tokens against a ``cache``-token DynamicCache."""
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")
+    try:
+        past = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=ids[None, :cache], past_key_values=past, use_cache=True)
+            started = time.perf_counter()
+            done = 0
+            for start in range(cache, ids.shape[0] - block + 1, block):
+                model(input_ids=ids[None, start:start + block], past_key_values=past, use_cache=True,
+                      position_ids=torch.arange(cache, cache + block)[None])
+                past.crop(cache)
+                done += block
+        return done / (time.perf_counter() - started)
+    finally:
+        model.set_attn_implementation("kvcli")
+
+
+def hf_sliding(model, ids: torch.Tensor, window: int, stride: int) -> tuple[float, float]:
+    """Perplexity and tokens/s of the sliding-window loop in Hugging Face's perplexity guide."""
+    model.set_attn_implementation("sdpa")
+    try:
+        nll_sum, count, prev_end = 0.0, 0, 0
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for begin in range(0, ids.shape[0], stride):
+                end = min(begin + window, ids.shape[0])
+                chunk = ids[begin:end]
+                logits = model(input_ids=chunk[None]).logits[0]
+                first = max(prev_end - begin, 1)
+                nll = F.cross_entropy(logits[first - 1:-1].float(), chunk[first:], reduction="sum")
+                nll_sum += float(nll)
+                count += chunk.shape[0] - first
+                prev_end = end
+                if end == ids.shape[0]:
+                    break
+        seconds = time.perf_counter() - started
+        return math.exp(nll_sum / count), ids.shape[0] / seconds
+    finally:
+        model.set_attn_implementation("kvcli")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--method", default="streamingllm")
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--cache", type=int, default=1024)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--skip", default="", help="comma-separated: plain-blocks,hf-sliding")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model, dtype=args.dtype)
+    ids = torch.tensor(first_tokens(args.source, loaded.tokenizer, args.tokens + 1))
+    print(f"model {args.model} ({loaded.dtype}, {torch.get_num_threads()} threads), {ids.shape[0] - 1} tokens, "
+          f"cache {args.cache}, block {args.block}")
+    engine = Engine(loaded.model, make_method(args.method), args.cache, block=args.block)
+    engine.score([ids[: 2 * args.block + 1].tolist()])  # warm-up
+    totals = engine.score([ids.tolist()])
+    print(f"engine {args.method:<14} {totals.tokens_per_second:8.0f} tokens/s  ppl {totals.ppl:.3f}")
+    skip = set(args.skip.split(","))
+    if "plain-blocks" not in skip:
+        print(f"plain-blocks (sdpa)   {plain_blocks(loaded.model, ids, args.block, args.cache):8.0f} tokens/s")
+    if "hf-sliding" not in skip:
+        ppl, speed = hf_sliding(loaded.model, ids, args.cache, args.cache // 2)
+        print(f"hf-sliding {args.cache}/{args.cache // 2}   {speed:8.0f} tokens/s  ppl {ppl:.3f}")
+
+
+if __name__ == "__main__":
+    main()
