@@ -110,7 +110,7 @@ def open_source(
     if source == "-":
         return [_stream_document("<stdin>", lambda: sys.stdin.buffer, encoding, chunk_chars, warn)]
     path = Path(source)
-    if source and (path.exists() or path.is_symlink()):
+    if source and path.exists():
         if path.is_dir():
             return _directory_documents(path, encoding, chunk_chars, warn)
         return [_file_document(path, source, encoding, chunk_chars, warn)]
@@ -267,9 +267,7 @@ def _pg19_from_hub(chunk_chars: int) -> list[Document] | None:
             count = _split_size(stream) or _PG19_TEST_BOOKS
         except Exception:  # noqa: BLE001, S112 - any failure means "try the next, then local books"
             continue
-        return [
-            Document(f"{PG19}[{index}]", _row_reader(rows, index, chunk_chars)) for index in range(count)
-        ]
+        return [Document(f"{PG19}[{index}]", _row_reader(rows, index, chunk_chars)) for index in range(count)]
     return None
 
 
@@ -437,9 +435,7 @@ def _cut_tier(before: str, after: str) -> int:
     return 2
 
 
-def _cut(
-    tokenizer: Any, buffer: str, emitted: int, fallback: bool
-) -> tuple[list[int], int, int] | None:
+def _cut(tokenizer: Any, buffer: str, emitted: int, fallback: bool) -> tuple[list[int], int, int] | None:
     """Tokenize the buffer and pick where to stop emitting for now.
 
     Returns the new tokens before the cut, the cut position and where the context for the
