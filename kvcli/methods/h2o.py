@@ -1,0 +1,50 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs").
+
+Every token carries its accumulated attention: the sum of the attention probabilities that every
+query which has seen it paid to it, from all queries of every block (``score_window(n) = n``). The
+score lives in the layer's per-token state, so it follows its token through evictions. Each KV
+head keeps the sinks, the recent window and its heavy hitters (highest accumulated score).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcli.cache import LayerView
+from kvcli.methods.base import Method, Split, group_mean, param, recent_and_sinks
+from kvcli.methods.registry import register
+from kvcli.methods.snapkv import check_split, select_top
+
+STATE = "h2o"
+
+
+@register
+@dataclass
+class H2O(Method):
+    name = "h2o"
+    description = ("Heavy hitters: keep the tokens with the largest attention accumulated over every "
+                   "query so far (per KV head), plus sinks and the recent window.")
+    sinks: int = param(4, "initial tokens always kept (attention sinks)")
+    recent: int | None = param(None, "most recent tokens always kept (auto: half of what the sinks leave)")
+
+    def score_window(self, block_len: int) -> int:
+        return block_len  # every query of the block adds to the accumulated scores
+
+    def validate(self, cache_size: int) -> None:
+        check_split(cache_size, self.sinks, self.recent)
+
+    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
+        length = view.length
+        scores = view.per_token(STATE)
+        if view.record is not None:
+            # Query heads of a GQA group share one cached token: their attention is averaged, so a
+            # score is on the scale of a single head's (the sum would only rescale every token alike).
+            scores = scores + group_mean(view.record.probs)[:, :length]
+            view.layer.state[STATE] = scores
+        if length <= budget:
+            return None
+        split = Split.of(budget, self.sinks, self.recent)
+        protected = recent_and_sinks(length, self.sinks, split.recent, scores.device)
+        return select_top(scores, protected, budget)

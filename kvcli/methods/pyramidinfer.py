@@ -1,0 +1,131 @@
+"""PyramidInfer (Yang et al., 2024, "PyramidInfer: Pyramid KV Cache Compression for High-throughput LLM
+Inference"), Algorithm 1, adapted to a stream with a bounded cache.
+
+Per layer ``l`` and KV head, every cached token carries a weighted sum of the attention that the
+recent queries paid to it (Algorithm 1's ``weighted_avg(A[-L:, :-L])``), and the layer keeps its
+pivotal contexts (PvCs): the sinks, the recent window, and the best-scoring tokens, as many as
+
+    min(S_l, max(min_len, ceil(p * decay**l * (seen - sinks - recent))))
+
+where ``seen`` is the number of stream tokens read so far. That is Algorithm 1's retention: the
+top-p fraction of the context, ``p`` shrinking by the ratio ``decay`` from one layer to the next,
+never cutting below ``min_len`` (N_l, the same for every layer), applied to the whole context read
+so far, so a stream streamed in blocks of 256 or decoded one token at a time retains the same
+fraction. (Taking p of the current cache at every compression instead would make the cache size
+depend on the block size and collapse to ``min_len`` within a few hundred decoding steps.)
+
+The cache never exceeds its budget: ``S_l``, the selected part of layer ``l``'s budget, follows
+the same geometric decay, ``S_l`` proportional to ``decay**l``, scaled so that the budgets average
+exactly ``--cache`` (rounded by largest remainder, see :func:`kvcli.methods.pyramidkv.apportion`);
+the budget wins over ``min_len`` when they disagree.
+
+Weighting. The attention record holds the SUM over the last ``window`` queries of a block (L),
+so within one block those queries weigh alike. Across blocks the scores decay: a query ``d``
+queries older than the newest weighs ``gamma**d``. Each compression multiplies the stored scores
+by ``gamma**n`` (n = new tokens) and adds ``c_w`` times the window's summed attention, where
+``c_w = mean(gamma**a for a < w)`` is the mean weight of the block's ``w`` window queries. With
+decoding (n = 1) this is exactly the geometric weighting of the recent queries, latest weighing
+most, over an effective window of ``1 / (1 - gamma)`` (~33 queries at the default 0.97, about L);
+with blocks of n >= 256 the previous blocks fade to nothing (0.97**256 < 1e-3), as in Algorithm 1,
+whose L recent queries all sit in the current block. The scores are not divided by the total weight:
+a candidate is older than the recent window, so it missed at most the queries older than itself,
+whose weight is below ``gamma**recent``, and the ranking is that of the weighted average.
+
+Defaults where the paper's Algorithm 1 gives no number: L = 32 queries, gamma = 0.97, p = 1
+(layer 0 keeps the whole stream until its budget caps it), decay = 0.95 per layer (0.95**31 = 0.2
+at the top of a 32-layer model) and min_len = 64 (the authors' released configuration uses a
+minimum context length of 64). Selection is per KV head, with the query heads of a GQA group averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from kvcli.cache import LayerView
+from kvcli.errors import UsageError
+from kvcli.methods.base import Method, Split, group_mean, param, recent_and_sinks
+from kvcli.methods.pyramidkv import apportion
+from kvcli.methods.registry import register
+from kvcli.methods.snapkv import check_split, select_top
+
+STATE = "pyramidinfer"
+
+
+def geometric_selected(selected_mean: int, num_layers: int, decay: float) -> list[int]:
+    """Selected budgets proportional to ``decay**l``, averaging ``selected_mean`` exactly."""
+    ratio = Fraction(decay)
+    weights = [ratio**layer for layer in range(num_layers)]
+    total = selected_mean * num_layers
+    norm = sum(weights)
+    return apportion([total * weight / norm for weight in weights], total)
+
+
+def window_weight(window: int, gamma: float) -> float:
+    """Mean of ``gamma**a`` over the ages ``a < window`` of a block's window queries."""
+    return sum(gamma**age for age in range(window)) / window
+
+
+@register
+@dataclass
+class PyramidInfer(Method):
+    name = "pyramidinfer"
+    description = ("Keep the tokens the recent queries attend to most (recency-weighted): a fraction "
+                   "p * decay**l of the stream in layer l (at least min_len), under budgets decaying "
+                   "geometrically with depth.")
+    window: int = param(32, "recent queries L whose attention scores the cache")
+    gamma: float = param(0.97, "weight ratio per query of age: a query d steps older weighs gamma**d")
+    p: float = param(1.0, "fraction of the stream layer 0 retains (before the budget caps it)")
+    decay: float = param(0.95, "per-layer ratio of both the retained fraction and the budget")
+    min_len: int = param(64, "min PvC length N_l: selected tokens a layer always keeps (budget allowing)")
+    sinks: int = param(4, "initial tokens always kept (attention sinks)")
+    recent: int | None = param(None, "most recent tokens always kept (auto: half of what sinks leave)")
+
+    def score_window(self, block_len: int) -> int:
+        return min(self.window, block_len)
+
+    def validate(self, cache_size: int) -> None:
+        if self.window < 1:
+            raise UsageError("window must be at least 1")
+        for key in ("gamma", "p", "decay"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise UsageError(f"{key} must be in (0, 1] (got {value})")
+        if self.min_len < 0:
+            raise UsageError("min_len must be >= 0")
+        check_split(cache_size, self.sinks, self.recent)
+
+    def layer_budgets(self, cache_size: int, num_layers: int) -> list[int]:
+        self.validate(cache_size)
+        split = Split.of(cache_size, self.sinks, self.recent)
+        # The recent window is resolved from the average budget, not from each layer's: remembered here.
+        self._recent = split.recent
+        kept = split.sinks + split.recent
+        return [kept + selected for selected in geometric_selected(split.selected, num_layers, self.decay)]
+
+    def retention(self, layer_idx: int, seen: int, recent: int) -> int:
+        """Selected tokens layer ``layer_idx`` retains after ``seen`` stream tokens, before the budget cap."""
+        fraction = self.p * self.decay**layer_idx
+        return max(self.min_len, math.ceil(fraction * max(seen - self.sinks - recent, 0)))
+
+    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
+        length = view.length
+        scores = view.per_token(STATE)
+        record = view.record
+        if record is not None:
+            fresh = group_mean(record.probs)[:, :length]
+            scores = scores * self.gamma**view.num_new + window_weight(record.window, self.gamma) * fresh
+            view.layer.state[STATE] = scores
+        recent = getattr(self, "_recent", None)
+        if recent is None:  # layer_budgets not called: a uniform budget
+            recent = Split.of(budget, self.sinks, self.recent).recent
+        protected_count = min(length, self.sinks + recent)
+        seen = view.layer.owner.stream_start
+        selected = min(budget - self.sinks - recent, self.retention(view.layer_idx, seen, recent))
+        if selected >= length - protected_count:
+            return None
+        protected = recent_and_sinks(length, self.sinks, recent, scores.device)
+        return select_top(scores, protected, protected_count + selected)

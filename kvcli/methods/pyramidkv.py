@@ -1,0 +1,83 @@
+"""PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
+Funneling"): SnapKV's selection under per-layer budgets that shrink from the bottom layer to the top.
+
+Budget allocation (section 4.2.1). Every layer keeps the last alpha tokens (``window``, the
+"instruction tokens"; here ``sinks`` + ``recent``, with ``recent`` defaulting to ``window``); what
+is left, ``S = cache_size - sinks - recent`` per layer on average, makes the total
+``k_total = m * S`` over the ``m`` layers, spread as an arithmetic sequence::
+
+    k^{m-1} = k_total / (beta * m)          = S / beta          (top layer)
+    k^0     = 2 * k_total / m - k^{m-1}     = 2 * S - S / beta  (bottom layer)
+    k^l     = k^0 - (k^0 - k^{m-1}) / (m - 1) * l
+
+so that ``sum_l k^l = m * (k^0 + k^{m-1}) / 2 = k_total``. The k^l are computed exactly (rational
+arithmetic) and rounded by largest remainder (floors, then one more token to the layers with the
+largest fractional parts, ties to the lower layer): the rounded budgets still sum to exactly
+``k_total``, stay within one token of the real values and never increase from bottom to top. Layer
+``l`` then holds ``sinks + recent + k^l`` tokens, so the budgets average exactly ``cache_size``
+and every layer holds more than the window (``validate`` asks for ``S >= beta``, i.e. k^{m-1} >= 1).
+
+Selection (section 4.2.2) is SnapKV's, with the paper's alpha = 8 as the observation window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from kvcli.errors import UsageError
+from kvcli.methods.base import check_budget, param
+from kvcli.methods.registry import register
+from kvcli.methods.snapkv import SnapKV
+
+
+def apportion(shares: list[Fraction], total: int) -> list[int]:
+    """Largest remainder: integers summing to ``total``, each within one of ``shares[i]`` (which sum to it).
+
+    Floors first; the tokens still missing go one each to the largest fractional parts, ties to
+    the earlier entry. A non-increasing sequence of shares stays non-increasing.
+    """
+    floors = [math.floor(share) for share in shares]
+    missing = total - sum(floors)
+    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - floors[i]), i))
+    for i in order[:missing]:
+        floors[i] += 1
+    return floors
+
+
+def pyramid_selected(selected_mean: int, num_layers: int, beta: float) -> list[int]:
+    """PyramidKV's arithmetic sequence k^0 >= ... >= k^{m-1} with mean ``selected_mean``, rounded exactly."""
+    if num_layers == 1:
+        return [selected_mean]
+    mean = Fraction(selected_mean)
+    top = mean / Fraction(beta)
+    bottom = 2 * mean - top
+    step = (bottom - top) / (num_layers - 1)
+    return apportion([bottom - step * layer for layer in range(num_layers)], selected_mean * num_layers)
+
+
+@register
+@dataclass
+class PyramidKV(SnapKV):
+    name = "pyramidkv"
+    description = ("SnapKV selection (alpha = `window` = 8) under per-layer budgets decreasing "
+                   "arithmetically from bottom to top (`beta` sets the top layer), averaging --cache.")
+    window: int = param(8, "observation window alpha: the last queries that score the cache (paper: 8)")
+    kernel: int = param(7, "pooling width along the sequence (odd; 1 = no pooling)")
+    pooling: str = param("max", "pooling of the scores: max or avg")
+    sinks: int = param(0, "initial tokens always kept (the paper keeps none)")
+    recent: int | None = param(None, "most recent tokens always kept (default: the window)")
+    beta: float = param(20.0, "pyramid shape: the top layer selects (cache - sinks - recent) / beta tokens")
+
+    def validate(self, cache_size: int) -> None:
+        super().validate(cache_size)
+        if not self.beta >= 1:
+            raise UsageError(f"beta must be >= 1 (got {self.beta}); beta = 1 gives uniform budgets")
+        check_budget(cache_size, self.sinks + self.kept_recent() + math.ceil(self.beta),
+                     "sinks + recent + beta (the top layer selects (cache - sinks - recent) / beta tokens)")
+
+    def layer_budgets(self, cache_size: int, num_layers: int) -> list[int]:
+        self.validate(cache_size)
+        kept = self.sinks + self.kept_recent()
+        return [kept + selected for selected in pyramid_selected(cache_size - kept, num_layers, self.beta)]

@@ -1,0 +1,119 @@
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You Are Looking for Before Generation").
+
+The last ``window`` queries of a block (the observation window) vote for the earlier keys: their
+attention, summed over the window and averaged over the query heads of each KV head (GQA), is
+smoothed along the sequence by a 1D pooling of width ``kernel``, and each KV head keeps its own
+top-scoring tokens next to the window tokens themselves.
+
+This module also holds the selection helpers the other baselines share (H2O, TOVA, PyramidKV,
+PyramidInfer import them from here), so that ranking and tie-breaking are one piece of code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcli.cache import LayerView
+from kvcli.errors import UsageError
+from kvcli.methods.base import Method, check_budget, group_mean, param, recent_and_sinks
+from kvcli.methods.registry import register
+
+
+def select_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
+    """Per head, the protected tokens plus the best-scoring others: ascending indices ``[H, budget]``.
+
+    ``scores`` is ``[H, T]``; ``protected`` is ``[T]`` or ``[H, T]``. Equal scores go to the
+    earlier token (a stable sort), which matters for max pooling, whose plateaus tie exactly.
+    (``torch.topk`` does not promise any order among ties.)
+    """
+    heads, length = scores.shape
+    if budget >= length:
+        return torch.arange(length, device=scores.device).expand(heads, length)
+    ranked = scores.to(torch.float32).masked_fill(protected, float("inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :budget]
+    return order.sort(dim=-1).values
+
+
+def check_split(cache_size: int, sinks: int, recent: int | None) -> None:
+    """Raise :class:`UsageError` for negative sizes or a budget smaller than sinks + recent."""
+    if sinks < 0 or (recent is not None and recent < 0):
+        raise UsageError("sinks and recent must be >= 0")
+    if recent is None:
+        check_budget(cache_size, sinks, "the sinks")
+    else:
+        check_budget(cache_size, sinks + recent, "sinks + recent")
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """Smooth ``[H, P]`` scores along the sequence: stride-1, same-length pooling of odd width ``kernel``.
+
+    Max pooling ignores the padding; average pooling divides by ``kernel`` at the edges too
+    (zero padding counted, as ``F.avg_pool1d`` does by default and SnapKV's code uses it).
+    """
+    if kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    x = scores[:, None, :]
+    if pooling == "max":
+        out = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    else:
+        out = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    return out[:, 0, :]
+
+
+def check_pooling(window: int, kernel: int, pooling: str) -> None:
+    if window < 1:
+        raise UsageError("window must be at least 1")
+    if kernel < 1 or kernel % 2 == 0:
+        raise UsageError(f"kernel must be an odd number >= 1 (got {kernel})")
+    if pooling not in ("max", "avg"):
+        raise UsageError(f"pooling must be 'max' or 'avg' (got {pooling!r})")
+
+
+def snap_select(view: LayerView, budget: int, sinks: int, recent: int, window: int, kernel: int,
+                pooling: str) -> torch.Tensor | None:
+    """SnapKV's choice for one layer: sinks, the last ``recent`` tokens, and the pooled top-scoring rest.
+
+    The window keys (the last ``min(window, num_new)`` tokens, which only part of the window saw)
+    are left out of the pooling, as in SnapKV, and compete with their raw score if ``recent`` does
+    not cover them.
+    """
+    length = view.length
+    if length <= budget:
+        return None
+    if view.record is None:
+        raise RuntimeError("snapkv-style selection needs the attention of the observation window")
+    scores = group_mean(view.record.probs)[:, :length]
+    prefix = length - min(window, view.num_new, length)
+    scores = torch.cat((pool_scores(scores[:, :prefix], kernel, pooling), scores[:, prefix:]), dim=1)
+    protected = recent_and_sinks(length, sinks, recent, scores.device)
+    return select_top(scores, protected, budget)
+
+
+@register
+@dataclass
+class SnapKV(Method):
+    name = "snapkv"
+    description = ("Keep the tokens the last `window` queries attend to most (pooled over `kernel` "
+                   "neighbours, per KV head) plus the window itself.")
+    window: int = param(32, "observation window: how many of a block's last queries score the cache")
+    kernel: int = param(7, "pooling width along the sequence (odd; 1 = no pooling)")
+    pooling: str = param("max", "pooling of the scores: max or avg")
+    sinks: int = param(0, "initial tokens always kept (the paper keeps none)")
+    recent: int | None = param(None, "most recent tokens always kept (default: the window)")
+
+    def kept_recent(self) -> int:
+        return self.window if self.recent is None else self.recent
+
+    def score_window(self, block_len: int) -> int:
+        return min(self.window, block_len)
+
+    def validate(self, cache_size: int) -> None:
+        check_pooling(self.window, self.kernel, self.pooling)
+        check_split(cache_size, self.sinks, self.kept_recent())
+
+    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
+        recent = self.kept_recent()
+        return snap_select(view, budget, self.sinks, recent, self.window, self.kernel, self.pooling)

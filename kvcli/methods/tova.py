@@ -1,0 +1,47 @@
+"""TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"): Token Omission Via Attention.
+
+Only the last query votes: its attention probabilities, averaged over every query head of the
+layer, rank the cached tokens, and the layer keeps the best ones, the same choice for every KV
+head. The original evicts the single lowest token at each decoding step and keeps no window; here
+a block of any size is cut back to the budget at once, and the fair split of the other baselines
+(sinks + recent window + selected) applies by default. ``-o sinks=0 -o recent=0`` is the original.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcli.cache import LayerView
+from kvcli.methods.base import Method, Split, param, recent_and_sinks
+from kvcli.methods.registry import register
+from kvcli.methods.snapkv import check_split, select_top
+
+
+@register
+@dataclass
+class TOVA(Method):
+    name = "tova"
+    description = ("Keep the tokens the last query attends to most, averaged over all heads of the layer "
+                   "(one choice per layer), plus sinks and the recent window.")
+    sinks: int = param(4, "initial tokens always kept (0 with recent=0: the original TOVA)")
+    recent: int | None = param(None, "most recent tokens always kept (auto: half of what the sinks leave)")
+
+    def score_window(self, block_len: int) -> int:
+        return 1
+
+    def validate(self, cache_size: int) -> None:
+        check_split(cache_size, self.sinks, self.recent)
+
+    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
+        length = view.length
+        if length <= budget:
+            return None
+        if view.record is None:
+            raise RuntimeError("tova needs the attention of the last query")
+        scores = view.record.probs[..., :length].mean(dim=(0, 1))  # every query head of the layer
+        split = Split.of(budget, self.sinks, self.recent)
+        protected = recent_and_sinks(length, self.sinks, split.recent, scores.device)
+        keep = select_top(scores[None, :], protected, budget)
+        return keep.expand(view.num_heads, keep.shape[1])
