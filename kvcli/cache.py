@@ -222,3 +222,7 @@ class LayerView:
             state = torch.cat((state, pad), dim=1)
         self.layer.state[name] = state
         return state
+
+    def set_per_token(self, name: str, value: torch.Tensor) -> None:
+        """Replace a per-token state ``[H, T]`` (methods build new tensors rather than edit inference tensors)."""
+        self.layer.state[name] = value

@@ -86,6 +86,8 @@ class Engine:
         self.cache_size = cache_size
         self.num_layers = model.config.num_hidden_layers
         self.trained_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        if cache_size:
+            method.validate(cache_size)
         self.budgets = method.layer_budgets(cache_size, self.num_layers) if cache_size else None
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
         self._warned_context = False
@@ -239,7 +241,9 @@ class Engine:
             begin += stride
         return totals
 
-def blocks_of(chunks: Iterable[list[int] | torch.Tensor], size: int, limit: int | None = None) -> Iterator[torch.Tensor]:
+
+def blocks_of(chunks: Iterable[list[int] | torch.Tensor], size: int,
+              limit: int | None = None) -> Iterator[torch.Tensor]:
     """Regroup a stream of token chunks into tensors of ``size`` tokens (the last may be shorter)."""
     pending: list[int] = []
     taken = 0

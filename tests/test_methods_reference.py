@@ -20,7 +20,7 @@ from support import append_tokens, kept_positions, make_cache
 from kvcli.cache import AttentionRecord, LayerView
 from kvcli.errors import UsageError
 from kvcli.methods import make_method
-from kvcli.methods.snapkv import select_top
+from kvcli.methods.base import select_top
 
 STEPS = [24, 8, 8, 1, 1, 1, 8, 1, 1, 12, 1]  # one-shot prefill, blocks, decoding steps
 

@@ -70,18 +70,19 @@ def recent_and_sinks(length: int, sinks: int, recent: int, device: torch.device)
     return protected
 
 
-def keep_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
-    """Per head, keep the protected tokens plus the highest-scoring others, ``budget`` in all.
+def select_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
+    """Per head, the protected tokens plus the best-scoring others: ascending indices ``[H, budget]``.
 
-    ``scores`` is ``[H, T]``; ties go to the earlier token so that results are deterministic.
-    Returns ascending indices ``[H, budget]``.
+    ``scores`` is ``[H, T]``; ``protected`` is ``[T]`` or ``[H, T]``. Equal scores go to the
+    earlier token (a stable sort), which matters for max pooling, whose plateaus tie exactly.
+    (``torch.topk`` does not promise any order among ties.)
     """
     heads, length = scores.shape
     if budget >= length:
         return torch.arange(length, device=scores.device).expand(heads, length)
-    ranked = scores.to(torch.float32).masked_fill(protected[None, :], float("inf"))
-    chosen = torch.topk(ranked, budget, dim=-1, sorted=False).indices
-    return chosen.sort(dim=-1).values
+    ranked = scores.to(torch.float32).masked_fill(protected, float("inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :budget]
+    return order.sort(dim=-1).values
 
 
 def group_mean(probs: torch.Tensor) -> torch.Tensor:
@@ -110,3 +111,13 @@ class Split:
     def of(cls, budget: int, sinks: int, recent: int | None) -> Split:
         recent = (budget - sinks) // 2 if recent is None else recent
         return cls(sinks, recent, budget - sinks - recent)
+
+
+def check_split(cache_size: int, sinks: int, recent: int | None) -> None:
+    """Raise :class:`UsageError` for negative sizes or a budget smaller than sinks + recent."""
+    if sinks < 0 or (recent is not None and recent < 0):
+        raise UsageError("sinks and recent must be >= 0")
+    if recent is None:
+        check_budget(cache_size, sinks, "the sinks")
+    else:
+        check_budget(cache_size, sinks + recent, "sinks + recent")

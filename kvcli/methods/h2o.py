@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcli.cache import LayerView
-from kvcli.methods.base import Method, Split, group_mean, param, recent_and_sinks
+from kvcli.methods.base import Method, Split, check_split, group_mean, param, recent_and_sinks, select_top
 from kvcli.methods.registry import register
-from kvcli.methods.snapkv import check_split, select_top
 
 STATE = "h2o"
 
@@ -42,7 +41,7 @@ class H2O(Method):
             # Query heads of a GQA group share one cached token: their attention is averaged, so a
             # score is on the scale of a single head's (the sum would only rescale every token alike).
             scores = scores + group_mean(view.record.probs)[:, :length]
-            view.layer.state[STATE] = scores
+            view.set_per_token(STATE, scores)
         if length <= budget:
             return None
         split = Split.of(budget, self.sinks, self.recent)

@@ -47,10 +47,9 @@ import torch
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import Method, Split, group_mean, param, recent_and_sinks
+from kvcli.methods.base import Method, Split, check_split, group_mean, param, recent_and_sinks, select_top
 from kvcli.methods.pyramidkv import apportion
 from kvcli.methods.registry import register
-from kvcli.methods.snapkv import check_split, select_top
 
 STATE = "pyramidinfer"
 
@@ -118,7 +117,7 @@ class PyramidInfer(Method):
         if record is not None:
             fresh = group_mean(record.probs)[:, :length]
             scores = scores * self.gamma**view.num_new + window_weight(record.window, self.gamma) * fresh
-            view.layer.state[STATE] = scores
+            view.set_per_token(STATE, scores)
         recent = getattr(self, "_recent", None)
         if recent is None:  # layer_budgets not called: a uniform budget
             recent = Split.of(budget, self.sinks, self.recent).recent

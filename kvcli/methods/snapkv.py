@@ -18,33 +18,8 @@ import torch.nn.functional as F
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import Method, check_budget, group_mean, param, recent_and_sinks
+from kvcli.methods.base import Method, check_split, group_mean, param, recent_and_sinks, select_top
 from kvcli.methods.registry import register
-
-
-def select_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
-    """Per head, the protected tokens plus the best-scoring others: ascending indices ``[H, budget]``.
-
-    ``scores`` is ``[H, T]``; ``protected`` is ``[T]`` or ``[H, T]``. Equal scores go to the
-    earlier token (a stable sort), which matters for max pooling, whose plateaus tie exactly.
-    (``torch.topk`` does not promise any order among ties.)
-    """
-    heads, length = scores.shape
-    if budget >= length:
-        return torch.arange(length, device=scores.device).expand(heads, length)
-    ranked = scores.to(torch.float32).masked_fill(protected, float("inf"))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :budget]
-    return order.sort(dim=-1).values
-
-
-def check_split(cache_size: int, sinks: int, recent: int | None) -> None:
-    """Raise :class:`UsageError` for negative sizes or a budget smaller than sinks + recent."""
-    if sinks < 0 or (recent is not None and recent < 0):
-        raise UsageError("sinks and recent must be >= 0")
-    if recent is None:
-        check_budget(cache_size, sinks, "the sinks")
-    else:
-        check_budget(cache_size, sinks + recent, "sinks + recent")
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:

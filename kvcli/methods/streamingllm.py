@@ -27,5 +27,6 @@ class StreamingLLM(Method):
             return None
         device = view.layer.device
         recent = budget - self.sinks
-        keep = torch.cat((torch.arange(self.sinks, device=device), torch.arange(length - recent, length, device=device)))
+        sinks = torch.arange(self.sinks, device=device)
+        keep = torch.cat((sinks, torch.arange(length - recent, length, device=device)))
         return keep.expand(view.num_heads, budget)

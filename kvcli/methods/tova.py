@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from kvcli.cache import LayerView
-from kvcli.methods.base import Method, Split, param, recent_and_sinks
+from kvcli.methods.base import Method, Split, check_split, param, recent_and_sinks, select_top
 from kvcli.methods.registry import register
-from kvcli.methods.snapkv import check_split, select_top
 
 
 @register
