@@ -7,7 +7,9 @@ patch model classes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import warnings
 from dataclasses import dataclass
@@ -170,7 +172,8 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
 
     name = spec
     try:
-        with warnings.catch_warnings():
+        # The GGUF loader draws its own tqdm bar on stderr, which belongs to kvcli's progress.
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             if path.suffix == ".gguf":
                 if not path.is_file():
