@@ -283,13 +283,13 @@ def test_units_evict_whole_units():
 
 def test_prefill_then_decode_switches_unit_size():
     """Auto tree_block: a one-shot prefill in units, then decoding token by token, as the reference does."""
-    T, budget, seed = 60, 40, 11
+    T, budget, seed = 100, 40, 11  # prefill 90: 3 units of 16 (over 2 settled units, wrapping) + 2 tokens
     raw = raw_attention(T, seed)
     method = make_method("treekv", {"sinks": 2, "recent": 6})
     cache = make_cache(num_layers=1, kv_heads=HEADS)
     refs = [BlockReference(budget, 2, 6, unit=16) for _ in range(HEADS)]
     start = 0
-    for n in [50] + [1] * 10:
+    for n in [90] + [1] * 10:
         tokens = list(range(start, start + n))
         append_tokens(cache, n)
         token_idx = cache.layers[0].token_idx.tolist()
@@ -345,7 +345,7 @@ def test_real_engine_stays_within_budget(model, block, options):
     engine = Engine(model, make_method("treekv", options), budget, block)
     cache = engine.new_cache()
     seen = []
-    ids = torch.randint(0, 128, (100,), generator=torch.Generator().manual_seed(block)).tolist()
+    ids = torch.randint(0, 128, (80,), generator=torch.Generator().manual_seed(block)).tolist()
     totals = engine.score([ids], cache=cache, on_block=lambda stats, _: seen.append(max(cache.lengths())))
     assert max(seen) <= budget and totals.max_cache_tokens == budget
     assert math.isfinite(totals.nll)

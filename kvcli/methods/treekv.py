@@ -159,5 +159,6 @@ class TreeKV(Method):
         if own > 1:  # new token j missed the first max(0, own - (new - j)) of the block's window queries
             missed = (own - torch.arange(new, 0, -1, device=counts.device)).clamp(min=0).float()
             counts[:, view.length - new:] -= missed
-        view.layer.state[SCORE], view.layer.state[COUNT] = scores, counts
+        view.set_per_token(SCORE, scores)
+        view.set_per_token(COUNT, counts)
         return scores, counts
