@@ -1,0 +1,410 @@
+"""Reading a whole document, then writing about it, with a KV cache that never outgrows its budget.
+
+The pipeline behind ``kvcli summarize`` and ``kvcli ask`` (and the pass-key grid) has two phases:
+
+* **read**: the prompt is ``prefix + document + suffix`` (see :func:`build_prompt`). A prompt that
+  fits the model's context in one affordable forward is prefilled in one shot, so that the end of
+  the prompt (the question) is the observation window of the compression, as in SnapKV. A longer
+  document is streamed in blocks, the cache compressed after each one, and the suffix is passed as a
+  *probe* on every block: its queries join the observation window without entering the cache, so
+  the method keeps what the question looks at (query-aware compression). The last block carries
+  the suffix itself.
+* **write**: tokens are generated one at a time; each is run through :meth:`Engine.forward` alone,
+  which compresses with one new token (the method's decoding rule), so the cache stays within the
+  per-layer budget at every step of generation too.
+
+Nothing here knows about the CLI: text arrives as chunks of token ids, generated text leaves through
+a callback.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcli.engine import Engine
+from kvcli.errors import KvcliError
+
+#: Stands in for the document when the chat template is rendered; split on to find prefix and suffix.
+SENTINEL = "KVCLIDOCUMENTSENTINEL"
+
+#: End-of-turn / end-of-text tokens of common chat formats; those in the vocabulary stop generation.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>",
+               "<|end|>", "<|eom_id|>")
+
+#: One forward pass over this many tokens is what auto one-shot prefill allows at most (the explicit CPU
+#: attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
+ONE_SHOT_CAP = {"cpu": 8192, "cuda": 32768}
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """What to ask about a document: ``text`` for chat models, ``cue`` for base models (no chat template).
+
+    ``answer_prefix`` starts the model's answer (after the assistant marker, or after the cue):
+    "The pass key is" makes a small model answer with the key instead of chatting.
+    """
+
+    text: str
+    cue: str
+    answer_prefix: str = ""
+
+
+#: Named prompts for ``kvcli summarize --template``.
+TEMPLATES: dict[str, Instruction] = {
+    "summary": Instruction("Summarize the text above in a few sentences.", "\n\nSummary:"),
+    "tldr": Instruction("Give a one-sentence TL;DR of the text above.", "\n\nTL;DR:"),
+    "keypoints": Instruction("List the key points of the text above as short bullet points.",
+                             "\n\nKey points:\n-"),
+}
+
+
+def question_instruction(question: str, answer_prefix: str = "") -> Instruction:
+    """The instruction of ``kvcli ask``: the question itself, or a Question/Answer cue for base models."""
+    question = question.strip()
+    return Instruction(question, f"\n\nQuestion: {question}\nAnswer:", answer_prefix)
+
+
+def custom_instruction(prompt: str, answer_prefix: str = "") -> Instruction:
+    """A user's ``--prompt``: the same text for chat and base models."""
+    prompt = prompt.strip()
+    return Instruction(prompt, f"\n\n{prompt}\n", answer_prefix)
+
+
+@dataclass
+class PromptParts:
+    """Token ids around the document: ``prefix + document + suffix`` is the whole prompt."""
+
+    prefix: list[int]
+    suffix: list[int]
+    chat: bool  # built with the tokenizer's chat template (False: plain-text fallback)
+
+
+def leading_special_tokens(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts in front of a text (BOS), learned from a probe."""
+    with_special = list(tokenizer("x", add_special_tokens=True).input_ids)
+    plain = list(tokenizer("x", add_special_tokens=False).input_ids)
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start:start + len(plain)] == plain:
+            return with_special[:start]
+    return []
+
+
+def render_chat(tokenizer, content: str) -> str | None:
+    """The chat template rendered for one user turn and the assistant's start; None without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                 add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that cannot render one user turn: use the plain fallback
+        return None
+    return rendered if isinstance(rendered, str) else None
+
+
+def build_prompt(tokenizer, instruction: Instruction, use_chat: bool = True) -> PromptParts:
+    """Split the prompt into the tokens before and after the document.
+
+    With a chat template the user turn is ``document + "\\n\\n" + instruction``: the template is
+    rendered with a sentinel in place of the document and split there, so the prefix is everything
+    up to where the user's content starts (system prompt, BOS, role markers) and the suffix is the
+    instruction, the end of the user turn, the start of the assistant's and the answer prefix, if
+    any. Without a template the prefix is the tokenizer's BOS and the suffix a plain-text cue such
+    as ``"\\n\\nSummary:"``.
+    """
+    rendered = render_chat(tokenizer, f"{SENTINEL}\n\n{instruction.text}") if use_chat else None
+    primer = instruction.answer_prefix
+    if rendered is not None and rendered.count(SENTINEL) == 1:
+        before, after = rendered.split(SENTINEL)
+        return PromptParts(encode(tokenizer, before), encode(tokenizer, after + primer), chat=True)
+    cue = instruction.cue + (" " + primer if primer else "")
+    return PromptParts(leading_special_tokens(tokenizer), encode(tokenizer, cue), chat=False)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of a piece of prompt; special tokens written in the text (``<|im_start|>``) are parsed."""
+    if not text:
+        return []
+    return list(tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
+
+
+def stop_token_ids(tokenizer, model=None, stop: Iterable[str] = ()) -> set[int]:
+    """Ids that end generation: EOS of the tokenizer and generation config, end-of-turn tokens, and
+    every ``stop`` string that is a single token of the vocabulary."""
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    config = getattr(model, "generation_config", None) if model is not None else None
+    if config is not None:
+        add(getattr(config, "eos_token_id", None))
+    vocab = tokenizer.get_vocab()
+    for token in (*END_OF_TURN, *stop):
+        if token in vocab:
+            ids.add(vocab[token])
+    return ids
+
+
+class TextStream:
+    """Generated ids in, new text out: decodes the whole list each time and hands out the new suffix.
+
+    Byte-level tokens can split a character; text ending in U+FFFD (an incomplete character) is held
+    back until the next token completes it. Text that could be the start of a ``stop`` string is also
+    held back, so a stop string never reaches the reader; when one appears the text is cut before it.
+    """
+
+    def __init__(self, tokenizer, stop: Iterable[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.shown = ""
+        self.final = ""
+        self.stopped = False
+
+    def text(self) -> str:
+        # No clean-up of spaces before punctuation: it could change text already shown.
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token: int) -> str:
+        """Add a token; return the text that is now final (may be empty). Sets :attr:`stopped`."""
+        self.ids.append(token)
+        text = self.text()
+        cut = self._stop_index(text)
+        if cut is not None:
+            self.stopped = True
+            return self._advance(text[:cut])
+        stable = text.rstrip("\ufffd")
+        return self._advance(stable[: len(stable) - self._partial_stop(stable)])
+
+    def finish(self) -> str:
+        """The rest of the text once generation is over (:attr:`final` then holds all of it)."""
+        text = self.text()
+        cut = self._stop_index(text)
+        self.final = text if cut is None else text[:cut]
+        if not self.final.startswith(self.shown):  # a decoder that rewrote earlier text: show what differs
+            common = len(os.path.commonprefix([self.final, self.shown]))
+            self.shown = self.shown[:common]
+        return self._advance(self.final)
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.shown) or not text.startswith(self.shown):
+            return ""
+        new, self.shown = text[len(self.shown):], text
+        return new
+
+    def _stop_index(self, text: str) -> int | None:
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _partial_stop(self, text: str) -> int:
+        """Length of the longest end of ``text`` that begins some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+@dataclass
+class Generation:
+    """What a read-then-write run produced and what it cost."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    document_tokens: int = 0
+    one_shot: bool = False
+    max_cache_tokens: int = 0  # largest per-layer cache after any compression step, prefill or decode
+    kv_cache_bytes: int = 0  # the cache when generation ended
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    finish_reason: str = "length"  # "eos", "stop", "length" or "interrupted"
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def seconds(self) -> float:
+        return self.read_seconds + self.write_seconds
+
+
+def one_shot_limit(engine: Engine, max_new_tokens: int) -> int:
+    """Largest prompt prefilled in one forward by default: the trained context minus room for the
+    answer, capped so that one forward pass stays affordable on the device."""
+    cap = ONE_SHOT_CAP.get(engine.device.type, ONE_SHOT_CAP["cpu"])
+    if engine.trained_context:
+        cap = min(cap, engine.trained_context - max_new_tokens)
+    return max(cap, 0)
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """Greedy (first maximum) at temperature 0, else one draw from ``softmax(logits / temperature)``."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Reader:
+    """Runs the read phase and the write phase on one engine and one cache."""
+
+    def __init__(self, engine: Engine, tokenizer, *, stop_ids: Iterable[int] = (), stop: Iterable[str] = (),
+                 temperature: float = 0.0, seed: int = 0,
+                 on_progress: Callable[[int, int, float], None] | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.stop_ids = set(stop_ids)
+        self.stop = list(stop)
+        self.temperature = temperature
+        self.seed = seed
+        self.on_progress = on_progress  # (tokens read, current cache tokens, seconds so far)
+
+    # --- read -------------------------------------------------------------------------------------
+    def read(self, cache, parts: PromptParts, document: Iterable[list[int]], result: Generation, *,
+             one_shot: bool | None = None, limit: int | None = None, probe: bool = True) -> torch.Tensor:
+        """Put ``prefix + document + suffix`` into ``cache``; return the last prompt token's hidden state.
+
+        ``one_shot`` None decides by size: a prompt of at most ``limit`` tokens is one forward.
+        """
+        started = time.perf_counter()
+        suffix = parts.suffix
+        if one_shot is False:
+            limit = -1
+        elif one_shot is True:
+            limit = None
+        chunks = iter(document)
+        buffered = list(parts.prefix)
+        exhausted = False
+        while limit is None or len(buffered) + len(suffix) <= limit:
+            try:
+                buffered.extend(next(chunks))
+            except StopIteration:
+                exhausted = True
+                break
+        if exhausted:
+            result.one_shot = True
+            ids = buffered + suffix
+            result.prompt_tokens = len(ids)
+            result.document_tokens = len(ids) - len(parts.prefix) - len(suffix)
+            hidden = self._forward(cache, ids, None, result)
+            self._progress(result.prompt_tokens, cache, started)
+        else:
+            hidden = self._stream(cache, parts, buffered, chunks, result, probe, started)
+        result.read_seconds = time.perf_counter() - started
+        return hidden[-1:]
+
+    def _stream(self, cache, parts: PromptParts, buffered: list[int], rest: Iterator[list[int]],
+                result: Generation, probe: bool, started: float) -> torch.Tensor:
+        block = self.engine.block
+        suffix = parts.suffix
+        probe_ids = torch.tensor([suffix], dtype=torch.long) if probe and suffix else None
+        pending = buffered
+        read = 0
+        for chunk in _chain([pending], rest):
+            if chunk is not pending:
+                pending.extend(chunk)
+            # Keep at least one token back: the last block goes through with the suffix.
+            while len(pending) > block:
+                self._forward(cache, pending[:block], probe_ids, result)
+                read += block
+                del pending[:block]
+                self._progress(read, cache, started)
+        total = read + len(pending) + len(suffix)
+        result.prompt_tokens = total
+        result.document_tokens = total - len(parts.prefix) - len(suffix)
+        hidden = self._forward(cache, pending + suffix, None, result)
+        self._progress(total, cache, started)
+        return hidden
+
+    def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation) -> torch.Tensor:
+        if not ids:
+            raise KvcliError("the prompt is empty")
+        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe)
+        result.max_cache_tokens = max(result.max_cache_tokens, max(cache.lengths()))
+        return hidden
+
+    def _progress(self, read: int, cache, started: float) -> None:
+        if self.on_progress:
+            self.on_progress(read, max(cache.lengths()), time.perf_counter() - started)
+
+    # --- write ------------------------------------------------------------------------------------
+    def write(self, cache, hidden: torch.Tensor, result: Generation, max_new_tokens: int,
+              on_text: Callable[[str], None] | None = None) -> None:
+        """Generate up to ``max_new_tokens`` tokens after ``hidden``; every step is one compressed forward."""
+        started = time.perf_counter()
+        generator = torch.Generator().manual_seed(self.seed) if self.temperature > 0 else None
+        stream = TextStream(self.tokenizer, self.stop)
+        emit = on_text or (lambda text: None)
+        result.finish_reason = "length"
+        try:
+            logits = self.engine.logits(hidden)[0]
+            for step in range(max_new_tokens):
+                token = sample(logits, self.temperature, generator)
+                if token in self.stop_ids:
+                    result.finish_reason = "eos"
+                    break
+                result.ids.append(token)
+                piece = stream.add(token)
+                if piece:
+                    emit(piece)
+                if stream.stopped:
+                    result.finish_reason = "stop"
+                    break
+                if step + 1 == max_new_tokens:
+                    break
+                hidden = self._forward(cache, [token], None, result)
+                logits = self.engine.logits(hidden[-1:])[0]
+        except KeyboardInterrupt:
+            result.finish_reason = "interrupted"
+        rest = stream.finish()
+        if rest:
+            emit(rest)
+        result.text = stream.final
+        result.write_seconds = time.perf_counter() - started
+        result.kv_cache_bytes = cache.nbytes()
+
+    def run(self, parts: PromptParts, document: Iterable[list[int]], max_new_tokens: int, *,
+            one_shot: bool | None = None, limit: int | None = None, probe: bool = True,
+            on_text: Callable[[str], None] | None = None, on_read: Callable[[Generation], None] | None = None,
+            ) -> Generation:
+        """Read ``document`` between ``parts`` into a fresh cache, then generate."""
+        if limit is None:
+            limit = one_shot_limit(self.engine, max_new_tokens)
+        result = Generation()
+        cache = self.engine.new_cache()
+        hidden = self.read(cache, parts, document, result, one_shot=one_shot, limit=limit, probe=probe)
+        if on_read:
+            on_read(result)
+        self.write(cache, hidden, result, max_new_tokens, on_text)
+        return result
+
+
+def _chain(first: Iterable[list[int]], rest: Iterator[list[int]]) -> Iterator[list[int]]:
+    yield from first
+    yield from rest
+
+
+def document_tokens(documents, tokenizer, separator: str = "\n\n") -> Iterator[list[int]]:
+    """Token ids of one or more :class:`kvcli.text.Document` as one stream, without BOS/EOS (the
+    prompt's prefix carries them), documents joined by ``separator``."""
+    from kvcli.text import iter_tokens
+
+    joint = encode(tokenizer, separator)
+    for index, doc in enumerate(documents):
+        if index and joint:
+            yield list(joint)
+        for chunk in iter_tokens(doc, tokenizer, add_special_tokens=False):
+            if chunk.ids:
+                yield chunk.ids

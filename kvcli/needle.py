@@ -1,0 +1,165 @@
+"""The pass-key test as a grid: methods x document lengths x depths x trials.
+
+A sentence holding a random five-digit key is hidden at a relative depth of an excerpt of a book,
+the model is asked for the key, and the answer counts as correct when the key's digits appear in
+it. Each trial reads the haystack through :class:`kvcli.generate.Reader` exactly as ``kvcli ask``
+does: one-shot prefill when the prompt fits, otherwise streamed with the question as a probe.
+Every method sees the same haystacks and keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.generate import Reader, build_prompt, encode, question_instruction, stop_token_ids
+
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? Answer with the number only."
+#: Starts the answer, as in the pass-key prompts of the long-context literature: without it a 135M
+#: chat model often chats instead of answering (3/10 against 9/10 with it, full attention, 1.5k tokens).
+ANSWER_PREFIX = "The pass key is"
+DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEFAULT_LENGTHS = (6000,)
+
+
+@dataclass
+class Trial:
+    method: str
+    length: int  # excerpt tokens (the haystack without the needle and the prompt around it)
+    depth: float
+    trial: int
+    key: str
+    answer: str
+    correct: bool
+    prompt_tokens: int
+    one_shot: bool
+    max_cache_tokens: int
+    seconds: float
+
+
+@dataclass
+class NeedleResult:
+    trials: list[Trial] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+
+    def accuracy(self, by_depth: bool = False) -> list[dict]:
+        """Rows ``{method, length[, depth], correct, trials, accuracy}`` in the order the grid ran."""
+        groups: dict[tuple, list[Trial]] = {}
+        for t in self.trials:
+            key = (t.method, t.length, t.depth) if by_depth else (t.method, t.length)
+            groups.setdefault(key, []).append(t)
+        rows = []
+        for key, trials in groups.items():
+            row = {"method": key[0], "length": key[1]}
+            if by_depth:
+                row["depth"] = key[2]
+            correct = sum(t.correct for t in trials)
+            row.update(correct=correct, trials=len(trials), accuracy=correct / len(trials))
+            rows.append(row)
+        return rows
+
+    def as_dict(self) -> dict:
+        return {**self.settings, "trials": [asdict(t) for t in self.trials], "accuracy": self.accuracy(),
+                "by_depth": self.accuracy(by_depth=True)}
+
+
+def is_correct(answer: str, key: str) -> bool:
+    """The key's digits appear in the answer (as written, or once separators are removed: "12,345")."""
+    return key in answer or key in re.sub(r"\D", "", answer)
+
+
+def haystack(tokenizer, tokens: Sequence[int], length: int, depth: float, key: str, offset: int = 0) -> str:
+    """``length`` tokens of ``tokens`` from ``offset``, cut at token boundaries, decoded, with the needle
+    inserted at ``depth`` (0 = start, 1 = end) of the excerpt."""
+    excerpt = list(tokens[offset:offset + length])
+    at = round(depth * len(excerpt))
+    before = tokenizer.decode(excerpt[:at]).rstrip()
+    after = tokenizer.decode(excerpt[at:]).lstrip()
+    needle = NEEDLE.format(key=key)
+    return " ".join(part for part in (before, needle, after) if part)
+
+
+def excerpt_offset(total: int, length: int, trial: int) -> int:
+    """Trial ``t`` reads the ``t``-th excerpt of the book (wrapping round when the book is short)."""
+    room = total - length
+    return (trial * length) % (room + 1) if room > 0 else 0
+
+
+def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
+             lengths: Iterable[int] = DEFAULT_LENGTHS, depths: Iterable[float] = DEFAULT_DEPTHS, trials: int = 1,
+             cache: int = 1024, block: int = 256, seed: int = 0, max_new_tokens: int = 12,
+             one_shot: bool | None = None, probe: bool = True, options: dict[str, dict] | None = None,
+             answer_prefix: str = ANSWER_PREFIX, warn: Callable[[str], None] | None = None,
+             on_trial: Callable[[Trial, int, int], None] | None = None) -> NeedleResult:
+    """Run the grid on ``model``; ``tokens`` is the book (document ids without special tokens).
+
+    ``options`` maps a method name to its parameters. ``on_trial(trial, done, total)`` reports
+    progress. Keys come from ``random.Random(seed)`` in grid order, so a seed fixes every haystack.
+    """
+    from kvcli.methods import make_method
+
+    methods, lengths, depths = list(methods), list(lengths), list(depths)
+    if not methods or not lengths or not depths or trials < 1:
+        raise UsageError("the grid needs at least one method, length, depth and trial")
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise UsageError(f"depth {depth} is not between 0 and 1")
+    longest = max(lengths)
+    if min(lengths) < 1:
+        raise UsageError("lengths must be positive")
+    if len(tokens) < longest:
+        raise UsageError(f"the source has {len(tokens):,} tokens; --lengths {longest:,} needs a longer book")
+    built = {}
+    for name in methods:
+        method = make_method(name, (options or {}).get(name))
+        if name != "full":
+            method.validate(cache)
+        built[name] = method
+
+    parts = build_prompt(tokenizer, question_instruction(QUESTION, answer_prefix))
+    stop_ids = stop_token_ids(tokenizer, model)
+    params = {name: {f.name: getattr(m, f.name) for f in dataclasses.fields(m)} for name, m in built.items()}
+    result = NeedleResult(settings={"cache": cache, "block": block, "seed": seed, "question": QUESTION,
+                                    "answer_prefix": answer_prefix, "needle": NEEDLE, "max_new_tokens": max_new_tokens,
+                                    "probe": probe, "params": params})
+    rng = random.Random(seed)
+    total = len(lengths) * len(depths) * trials * len(methods)
+    done = 0
+    for length in lengths:
+        for trial in range(trials):
+            offset = excerpt_offset(len(tokens), length, trial)
+            for depth in depths:
+                key = str(rng.randint(10000, 99999))
+                doc = encode(tokenizer, haystack(tokenizer, tokens, length, depth, key, offset))
+                for name in methods:
+                    engine = Engine(model, built[name], None if name == "full" else cache, block=block, warn=warn)
+                    reader = Reader(engine, tokenizer, stop_ids=stop_ids)
+                    started = time.perf_counter()
+                    gen = reader.run(parts, [doc], max_new_tokens, one_shot=one_shot, probe=probe)
+                    answer = gen.text.strip()
+                    record = Trial(name, length, depth, trial, key, answer, is_correct(answer, key), gen.prompt_tokens,
+                                   gen.one_shot, gen.max_cache_tokens, time.perf_counter() - started)
+                    result.trials.append(record)
+                    done += 1
+                    if on_trial:
+                        on_trial(record, done, total)
+    return result
+
+
+def book_tokens(documents, tokenizer, limit: int | None = None) -> list[int]:
+    """The first ``limit`` tokens of ``documents`` read as one stream (all of them when None)."""
+    from kvcli.generate import document_tokens
+
+    ids: list[int] = []
+    for chunk in document_tokens(documents, tokenizer):
+        ids.extend(chunk)
+        if limit is not None and len(ids) >= limit:
+            return ids[:limit]
+    return ids

@@ -1,0 +1,252 @@
+"""The read-then-write pipeline: prompt building, query-aware reading, a decode loop that never outgrows
+its budget, greedy decoding equal to transformers' own, incremental text, and the pass-key library."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.generate import (
+    TEMPLATES,
+    Instruction,
+    PromptParts,
+    Reader,
+    TextStream,
+    build_prompt,
+    encode,
+    question_instruction,
+    stop_token_ids,
+)
+from kvcli.methods import METHODS, make_method
+from kvcli.models import tiny_llama
+from kvcli.needle import NEEDLE, excerpt_offset, haystack, is_correct
+
+DOC = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do."
+
+
+class CharTokenizer:
+    """Token id = Unicode code point: enough for the parts of the pipeline that only decode."""
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, seed=1)
+
+
+def ids_of(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def spy_forward(engine: Engine) -> list[dict]:
+    """Record every forward the engine runs: tokens, probe and the per-layer cache sizes after it."""
+    calls: list[dict] = []
+    original = engine.forward
+
+    def forward(cache, ids, probe=None, compress=True):
+        hidden = original(cache, ids, probe=probe, compress=compress)
+        calls.append({"ids": ids[0].tolist(), "probe": None if probe is None else probe[0].tolist(),
+                      "lengths": cache.lengths()})
+        return hidden
+
+    engine.forward = forward
+    return calls
+
+
+# --- prompts ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("instruction", [TEMPLATES["summary"], question_instruction("Who is tired?"),
+                                         question_instruction("What is the pass key?", "The pass key is")])
+def test_prefix_document_suffix_reproduce_the_chat_template(smol_tokenizer, instruction):
+    parts = build_prompt(smol_tokenizer, instruction)
+    assert parts.chat
+    content = f"{DOC}\n\n{instruction.text}"
+    rendered = smol_tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                  add_generation_prompt=True) + instruction.answer_prefix
+    ours = parts.prefix + encode(smol_tokenizer, DOC) + parts.suffix
+    assert ours == encode(smol_tokenizer, rendered)
+    assert smol_tokenizer.decode(ours) == rendered
+    assert smol_tokenizer.decode(parts.suffix).endswith("<|im_start|>assistant\n" + instruction.answer_prefix)
+
+
+def test_plain_text_fallback_without_a_chat_template(smol_tokenizer):
+    parts = build_prompt(smol_tokenizer, TEMPLATES["summary"], use_chat=False)
+    assert not parts.chat and smol_tokenizer.decode(parts.suffix) == "\n\nSummary:"
+    primed = build_prompt(smol_tokenizer, question_instruction("Who?", "It was"), use_chat=False)
+    assert smol_tokenizer.decode(primed.suffix) == "\n\nQuestion: Who?\nAnswer: It was"
+
+
+def test_stop_tokens_cover_eos_and_end_of_turn(smol_tokenizer):
+    ids = stop_token_ids(smol_tokenizer)
+    vocab = smol_tokenizer.get_vocab()
+    assert {vocab["<|im_end|>"], vocab["<|endoftext|>"]} <= ids
+    assert vocab["<|im_start|>"] not in ids
+    assert vocab["<|im_start|>"] in stop_token_ids(smol_tokenizer, stop=["<|im_start|>"])
+
+
+# --- text out -----------------------------------------------------------------------------------------------
+def test_text_stream_never_splits_a_character(smol_tokenizer):
+    text = "Café 😀 naïve — 日本語 ok"
+    ids = encode(smol_tokenizer, text)
+    stream = TextStream(smol_tokenizer)
+    pieces = [stream.add(i) for i in ids]
+    pieces.append(stream.finish())
+    assert "".join(pieces) == smol_tokenizer.decode(ids) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert len(ids) > len(text.split())  # some characters really were split across tokens
+
+
+def test_text_stream_cuts_at_a_stop_string_without_showing_it():
+    stream = TextStream(CharTokenizer(), stop=["END"])
+    shown = [stream.add(ord(c)) for c in "abEN"]
+    assert "".join(shown) == "ab" and not stream.stopped  # "EN" may start "END": held back
+    assert stream.add(ord("D")) == "" and stream.stopped
+    assert stream.finish() == "" and stream.shown == stream.final == "ab"
+    other = TextStream(CharTokenizer(), stop=["END"])
+    assert "".join(other.add(ord(c)) for c in "aEx") + other.finish() == "aEx"
+
+
+# --- the decode loop ----------------------------------------------------------------------------------------
+def reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """transformers' own greedy search with its SDPA attention and DynamicCache."""
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                                 pad_token_id=0, eos_token_id=2)
+    finally:
+        model.set_attn_implementation("kvcli")
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("one_shot,block", [(True, 256), (False, 7)])
+def test_greedy_with_full_equals_transformers_generate(model, one_shot, block):
+    prompt = ids_of(40, seed=3)
+    expected = reference_greedy(model, prompt, 10)
+    engine = Engine(model, make_method("full"), None, block=block)
+    parts = PromptParts(prompt[:5], prompt[-6:], chat=False)
+    gen = Reader(engine, CharTokenizer(), stop_ids={2}).run(parts, [prompt[5:20], prompt[20:-6]], 10,
+                                                           one_shot=one_shot)
+    assert gen.one_shot is one_shot and gen.prompt_tokens == 40 and gen.document_tokens == 29
+    assert gen.ids == expected[: len(gen.ids)]
+    assert len(gen.ids) == 10 or expected[len(gen.ids)] == 2
+
+
+SCORED = ["streamingllm", "snapkv", "pyramidkv", "treekv", "h2o", "tova", "pyramidinfer"]
+
+
+@pytest.mark.parametrize("name", SCORED)
+@pytest.mark.parametrize("one_shot", [True, False])
+def test_cache_never_exceeds_the_budget_while_reading_and_writing(model, name, one_shot):
+    if name not in METHODS:
+        pytest.skip(f"{name} is not registered yet")
+    method = make_method(name)
+    try:
+        method.validate(48)
+    except UsageError as exc:
+        pytest.skip(f"{name} cannot run at cache 48: {exc}")
+    engine = Engine(model, method, 48, block=16)
+    calls = spy_forward(engine)
+    parts = PromptParts(ids_of(3, 1), ids_of(9, 2), chat=False)
+    gen = Reader(engine, CharTokenizer()).run(parts, [ids_of(100, 4)], 30, one_shot=one_shot)
+    assert gen.generated_tokens == 30 and gen.finish_reason == "length"
+    decode_calls = [c for c in calls if len(c["ids"]) == 1]
+    assert len(decode_calls) == 29  # the last token needs no forward
+    for call in calls:
+        assert all(length <= budget for length, budget in zip(call["lengths"], engine.budgets, strict=True))
+    assert gen.max_cache_tokens == max(max(c["lengths"]) for c in calls) <= max(engine.budgets)
+    assert max(decode_calls[-1]["lengths"]) == max(engine.budgets)  # decoding evicted to stay in budget
+
+
+def test_streamed_reading_probes_every_block_with_the_suffix(model):
+    engine = Engine(model, make_method("snapkv", {"window": 4}), 32, block=16)
+    calls = spy_forward(engine)
+    prefix, doc, suffix = ids_of(3, 1), ids_of(70, 5), ids_of(6, 2)
+    gen = Reader(engine, CharTokenizer()).run(PromptParts(prefix, suffix, chat=False), [doc[:33], doc[33:]], 1,
+                                              one_shot=False)
+    reads = calls[: len(calls)]
+    assert [len(c["ids"]) for c in reads] == [16, 16, 16, 16, 9 + 6]
+    assert all(c["probe"] == suffix for c in reads[:-1])
+    assert reads[-1]["probe"] is None and reads[-1]["ids"][-6:] == suffix  # the question ends the last block
+    assert sum(len(c["ids"]) for c in reads) == gen.prompt_tokens == 79 and gen.document_tokens == 70
+    assert not gen.one_shot
+
+
+def test_one_shot_is_chosen_when_the_prompt_fits(model):
+    prefix, doc, suffix = ids_of(3, 1), ids_of(70, 5), ids_of(6, 2)
+    for limit, expect_one_shot in ((79, True), (78, False)):
+        engine = Engine(model, make_method("snapkv", {"window": 4}), 32, block=16)
+        calls = spy_forward(engine)
+        gen = Reader(engine, CharTokenizer()).run(PromptParts(prefix, suffix, chat=False), [doc[:40], doc[40:]], 1,
+                                                  limit=limit)
+        assert gen.one_shot is expect_one_shot
+        if expect_one_shot:
+            assert len(calls) == 1 and calls[0]["ids"] == prefix + doc + suffix and calls[0]["probe"] is None
+            assert gen.max_cache_tokens == 32
+
+
+def test_sampling_is_seeded(model):
+    def run(seed, temperature):
+        engine = Engine(model, make_method("streamingllm"), 32, block=16)
+        reader = Reader(engine, CharTokenizer(), temperature=temperature, seed=seed)
+        return reader.run(PromptParts([], ids_of(4, 2), chat=False), [ids_of(20, 1)], 12).ids
+
+    assert run(7, 1.5) == run(7, 1.5)
+    assert len({tuple(run(seed, 1.5)) for seed in range(4)}) > 1
+    assert run(0, 0.0) == run(5, 0.0)
+
+
+# --- pass key -----------------------------------------------------------------------------------------------
+def test_haystack_hides_the_needle_at_its_depth(smol_tokenizer):
+    tokens = encode(smol_tokenizer, DOC * 40)
+    for depth in (0.0, 0.5, 1.0):
+        text = haystack(smol_tokenizer, tokens, 300, depth, "12345")
+        needle = NEEDLE.format(key="12345")
+        assert text.count(needle) == 1
+        where = text.index(needle) / max(1, len(text) - len(needle))
+        assert abs(where - depth) < 0.05
+    assert excerpt_offset(1000, 300, 0) == 0 and excerpt_offset(1000, 300, 2) == 600
+    assert excerpt_offset(1000, 300, 3) == 900 % 701 and excerpt_offset(200, 300, 5) == 0
+
+
+def test_answer_check():
+    assert is_correct(" 60494.", "60494") and is_correct("It is 60,494", "60494")
+    assert not is_correct("6049", "60494") and not is_correct("The pass key.", "60494")
+
+
+def test_instruction_is_immutable_and_named_templates_exist():
+    assert {"summary", "tldr", "keypoints"} <= set(TEMPLATES)
+    assert isinstance(TEMPLATES["summary"], Instruction)
+    with pytest.raises(AttributeError):
+        TEMPLATES["summary"].text = "x"
+
+
+@pytest.fixture()
+def one_thread():
+    """One intra-op thread: on a small CPU shared with other jobs, two threads wait on each other for
+    milliseconds at every small op and a forward pass gets many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_pass_key_from_a_real_book_excerpt(smollm, books, one_thread):
+    """The default model finds a key hidden in a ~1.5k-token excerpt, read one-shot and compressed to 512."""
+    from kvcli.generate import Reader, question_instruction
+    from kvcli.needle import ANSWER_PREFIX, QUESTION, book_tokens
+    from kvcli.text import open_source
+
+    tokenizer = smollm.tokenizer
+    method = "snapkv" if "snapkv" in METHODS else "full"
+    tokens = book_tokens(open_source(str(books / "pg1342-pride-and-prejudice.txt")), tokenizer, 1500)
+    doc = encode(tokenizer, haystack(tokenizer, tokens, 1500, 0.5, "73691"))
+    parts = build_prompt(tokenizer, question_instruction(QUESTION, ANSWER_PREFIX))
+    engine = Engine(smollm.model, make_method(method), None if method == "full" else 512)
+    gen = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, smollm.model)).run(parts, [doc], 8)
+    assert gen.one_shot and gen.prompt_tokens > 1500
+    assert gen.max_cache_tokens <= (512 if method != "full" else gen.prompt_tokens + 8)
+    assert "73691" in gen.text, gen.text

@@ -1,0 +1,91 @@
+"""Presets: the built-in TOML files, user presets overriding them, and merging several presets."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcli.errors import UsageError
+from kvcli.presets import builtin_dirs, find_preset, list_presets, merge, parse, user_dir
+
+MODELS = {"smollm2-135m", "llama-3.2-1b-instruct", "llama-3.1-8b-instruct", "qwen2.5-7b-instruct",
+          "mistral-7b-instruct"}
+METHOD_PRESETS = {"treekv-1024", "snapkv-1024", "pyramidkv-paper", "streamingllm-1024"}
+
+
+@pytest.fixture(autouse=True)
+def config_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "config"
+
+
+def user_preset(config_home, name: str, text: str):
+    folder = config_home / "kvcli" / "presets"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def test_builtin_presets_are_found_and_valid():
+    assert builtin_dirs(), "presets/ should sit beside the package in a source checkout"
+    found = {p.name: p for p in list_presets()}
+    assert MODELS | METHOD_PRESETS <= set(found)
+    for name in MODELS:
+        assert found[name].kind == "model" and found[name].source == "built-in"
+        assert isinstance(found[name].settings["model"], str) and found[name].settings["stop"]
+    for name in METHOD_PRESETS:
+        assert found[name].kind == "method" and {"method", "cache", "block"} <= set(found[name].settings)
+    assert found["llama-3.2-1b-instruct"].settings["model"] == "meta-llama/Llama-3.2-1B-Instruct"
+    paper = found["pyramidkv-paper"].settings
+    assert paper["method"] == "pyramidkv" and paper["options"]["beta"] == 20 and paper["options"]["window"] == 8
+
+
+def test_builtin_method_presets_build_valid_methods():
+    from kvcli.methods import METHODS, make_method
+
+    for name in METHOD_PRESETS:
+        settings = find_preset(name).settings
+        if settings["method"] not in METHODS:
+            continue  # written by another engineer, not registered yet
+        make_method(settings["method"], settings.get("options")).validate(settings["cache"])
+
+
+def test_user_preset_overrides_builtin_of_the_same_name(config_home):
+    user_preset(config_home, "treekv-1024", 'method = "treekv"\ncache = 333\n')
+    user_preset(config_home, "mine", 'model = "/models/mine"\nstop = ["<|end|>"]\n')
+    found = {p.name: p for p in list_presets()}
+    assert found["treekv-1024"].source == "user" and found["treekv-1024"].settings["cache"] == 333
+    assert found["mine"].kind == "model"
+    assert find_preset("treekv-1024").settings["cache"] == 333
+    assert user_dir() == config_home / "kvcli" / "presets"
+
+
+def test_preset_by_path_and_errors(tmp_path):
+    path = tmp_path / "x.toml"
+    path.write_text('method = "snapkv"\ncache = 256\n[options]\nwindow = 16\n')
+    assert find_preset(str(path)).settings["options"] == {"window": 16}
+    with pytest.raises(UsageError, match="unknown preset"):
+        find_preset("no-such-preset")
+    with pytest.raises(UsageError, match="no such preset file"):
+        find_preset(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text('methd = "snapkv"\n')
+    with pytest.raises(UsageError, match="unknown key 'methd'"):
+        parse(bad)
+    bad.write_text('cache = "big"\n')
+    with pytest.raises(UsageError, match="cache must be an integer"):
+        parse(bad)
+    bad.write_text("cache = [\n")
+    with pytest.raises(UsageError, match="not valid TOML"):
+        parse(bad)
+
+
+def test_later_presets_override_earlier_and_options_merge(tmp_path):
+    a = tmp_path / "a.toml"
+    b = tmp_path / "b.toml"
+    a.write_text('method = "snapkv"\ncache = 256\nstop = ["X"]\n[options]\nwindow = 16\nkernel = 5\n')
+    b.write_text('cache = 512\nmodel = "m"\nstop = ["Y", "X"]\n[options]\nkernel = 3\n')
+    merged = merge([str(a), str(b)])
+    assert merged == {"method": "snapkv", "cache": 512, "model": "m", "stop": ["X", "Y"],
+                      "options": {"window": 16, "kernel": 3}}
+    assert merge(None) == {}

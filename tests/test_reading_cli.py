@@ -1,0 +1,204 @@
+"""summarize, ask, needle and presets as a user meets them: stdout holds only the result, pipes, presets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcli.cli import app
+from kvcli.errors import UsageError
+
+runner = CliRunner()
+TEXT = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to "
+        "do: once or twice she had peeped into the book her sister was reading. ") * 12
+KEYS = {"prompt_tokens", "generated_tokens", "max_cache_tokens", "kv_cache_bytes", "peak_memory_bytes", "seconds",
+        "model", "method", "cache"}
+
+
+@pytest.fixture()
+def book(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def config_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "config"
+
+
+def invoke(*args: str, input: str | None = None):
+    return runner.invoke(app, list(args), input=input, catch_exceptions=False)
+
+
+def tiny(model_dir) -> list[str]:
+    return ["--model", str(model_dir), "--quiet"]
+
+
+@pytest.mark.parametrize("command", ["summarize", "ask", "needle", "presets"])
+def test_help(command):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0 and "Usage" in result.stdout
+
+
+def test_summarize_streams_exactly_the_summary_to_stdout(tiny_model_dir, book, smol_tokenizer):
+    from kvcli.generate import TEMPLATES, build_prompt
+
+    common = [str(book), *tiny(tiny_model_dir), "--method", "streamingllm", "--cache", "64", "--block", "32",
+              "--max-new-tokens", "24", "--temperature", "1.0", "--seed", "3"]
+    streamed = invoke("summarize", *common)
+    assert streamed.exit_code == 0 and streamed.stderr == ""
+    data = json.loads(invoke("summarize", *common, "--json").stdout)
+    assert KEYS | {"summary"} <= set(data)
+    assert streamed.stdout.endswith("\n") and streamed.stdout.strip() == data["summary"] != ""
+    assert data["generated_tokens"] == 24 and data["max_cache_tokens"] <= 64 and not data["one_shot"]
+    parts = build_prompt(smol_tokenizer, TEMPLATES["summary"])
+    assert data["prompt_tokens"] == len(parts.prefix) + data["document_tokens"] + len(parts.suffix)
+
+
+def test_statistics_go_to_stderr(tiny_model_dir, book):
+    result = invoke("summarize", str(book), "--model", str(tiny_model_dir), "--method", "streamingllm", "--cache",
+                    "64", "--max-new-tokens", "4")
+    assert result.exit_code == 0
+    assert "prompt tokens" in result.stderr and "max cache" in result.stderr and "prompt" not in result.stdout
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "treekv"])
+def test_decoding_evicts_to_stay_within_the_cache(tiny_model_dir, tmp_path, method):
+    from kvcli.methods import METHODS
+
+    if method not in METHODS:
+        pytest.skip(f"{method} is not registered yet")
+    short = tmp_path / "short.txt"
+    short.write_text("A very short note.")
+    data = json.loads(invoke("summarize", str(short), *tiny(tiny_model_dir), "--method", method, "--cache", "56",
+                             "--max-new-tokens", "40", "--json").stdout)
+    assert data["one_shot"] and data["prompt_tokens"] < 56
+    assert data["prompt_tokens"] + data["generated_tokens"] > 56  # only eviction while decoding keeps it at 56
+    assert data["max_cache_tokens"] == 56
+
+
+def test_ask_reads_stdin_and_answers_in_json(tiny_model_dir):
+    result = invoke("ask", "-", "Who is tired?", *tiny(tiny_model_dir), "--method", "streamingllm", "--cache", "64",
+                    "--block", "32", "--max-new-tokens", "5", "--answer-prefix", "It is", "--json", input=TEXT * 2)
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert KEYS | {"answer"} <= set(data) and "summary" not in data
+    assert data["answer"].startswith("It is") and data["generated_tokens"] == 5
+    assert data["document_tokens"] > 900 and not data["one_shot"]  # longer than the tiny model's context
+
+
+def test_one_shot_switch(tiny_model_dir, tmp_path):
+    half = tmp_path / "half.txt"
+    half.write_text(TEXT[: len(TEXT) // 2])
+    common = ["summarize", str(half), *tiny(tiny_model_dir), "--method", "streamingllm", "--cache", "64",
+              "--max-new-tokens", "2", "--json"]
+    assert json.loads(invoke(*common, "--one-shot").stdout)["one_shot"] is True
+    assert json.loads(invoke(*common, "--no-one-shot").stdout)["one_shot"] is False
+    assert json.loads(invoke(*common).stdout)["one_shot"] is True  # ~280 tokens fit the tiny model's 512
+
+
+def test_a_closed_stdout_ends_quietly(tiny_model_dir, book):
+    proc = subprocess.Popen([sys.executable, "-m", "kvcli", "summarize", str(book), *tiny(tiny_model_dir),
+                             "--method", "streamingllm", "--cache", "64", "--max-new-tokens", "400", "--temperature",
+                             "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(1)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, stderr
+    assert "Traceback" not in stderr and "Error" not in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "code"),
+    [
+        (["summarize", "BOOK", "--method", "nosuch"], "unknown method", 2),
+        (["summarize", "BOOK", "--prompt", "Say it.", "--template", "tldr"], "alternatives", 2),
+        (["summarize", "BOOK", "--template", "nosuch"], "unknown --template", 2),
+        (["ask", "BOOK", "Why?", "--preset", "nosuch"], "unknown preset", 2),
+        (["needle", "BOOK", "--methods", "full,nosuch"], "unknown method", 2),
+        (["ask", "/no/such/book.txt", "Why?", "--method", "streamingllm"], "no such file", 1),
+    ],
+)
+def test_errors_exit_with_one_line(args, message, code, book):
+    args = [str(book) if a == "BOOK" else a for a in args]
+    proc = subprocess.run([sys.executable, "-m", "kvcli", *args], capture_output=True, timeout=300)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == code, stderr
+    assert proc.stdout == b"" and message in stderr and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1
+
+
+def test_presets_listing(config_home):
+    data = json.loads(invoke("presets", "--json").stdout)
+    rows = {row["name"]: row for row in data}
+    assert rows["smollm2-135m"]["kind"] == "model" and rows["treekv-1024"]["kind"] == "method"
+    assert rows["pyramidkv-paper"]["settings"]["options"] == {"beta": 20.0, "window": 8, "kernel": 7,
+                                                               "pooling": "max"}
+    assert all(row["path"].endswith(".toml") and row["source"] == "built-in" for row in data)
+    text = invoke("presets").stdout
+    assert "model presets:" in text and "method presets:" in text and "treekv-1024" in text
+
+
+def test_presets_fill_defaults_and_explicit_options_win(tiny_model_dir, book, config_home):
+    folder = config_home / "kvcli" / "presets"
+    folder.mkdir(parents=True)
+    (folder / "tiny.toml").write_text(f'model = "{tiny_model_dir}"\nstop = ["zzzz"]\n')
+    (folder / "small-stream.toml").write_text('method = "streamingllm"\ncache = 40\nblock = 8\n'
+                                              "[options]\nsinks = 2\n")
+    listed = {row["name"]: row for row in json.loads(invoke("presets", "--json").stdout)}
+    assert listed["tiny"]["source"] == "user" and listed["small-stream"]["kind"] == "method"
+    common = ["summarize", str(book), "--preset", "tiny", "--preset", "small-stream", "--max-new-tokens", "2",
+              "--json", "--quiet"]
+    data = json.loads(invoke(*common).stdout)
+    assert data["model"] == str(tiny_model_dir)
+    assert (data["method"], data["cache"], data["block"], data["params"]["sinks"]) == ("streamingllm", 40, 8, 2)
+    data = json.loads(invoke(*common, "--cache", "56", "-o", "sinks=3", "--block", "16").stdout)
+    assert (data["cache"], data["block"], data["params"]["sinks"]) == (56, 16, 3)
+    with pytest.raises(UsageError, match="unknown preset"):
+        invoke(*common, "--preset", "nosuch")
+
+
+def test_needle_grid_json_and_table(tiny_model_dir, tmp_path):
+    from kvcli.methods import METHODS
+
+    text = tmp_path / "haystack.txt"
+    text.write_text(TEXT * 3)
+    methods = "streamingllm,snapkv" if "snapkv" in METHODS else "streamingllm,full"
+    common = ["needle", str(text), *tiny(tiny_model_dir), "--methods", methods, "--lengths", "300", "--depths",
+              "0.25,75%", "--trials", "2", "--cache", "48", "--block", "32", "--max-new-tokens", "3"]
+    data = json.loads(invoke(*common, "--json").stdout)
+    assert len(data["trials"]) == 2 * 2 * 2
+    first = data["trials"][0]
+    assert {"method", "length", "depth", "trial", "key", "answer", "correct", "prompt_tokens"} <= set(first)
+    assert len(first["key"]) == 5 and first["key"].isdigit()
+    assert {t["depth"] for t in data["trials"]} == {0.25, 0.75}
+    assert [(r["method"], r["trials"]) for r in data["accuracy"]] == [(m, 4) for m in methods.split(",")]
+    assert len(data["by_depth"]) == 4 and all(0 <= r["accuracy"] <= 1 for r in data["by_depth"])
+    # every method saw the same keys
+    keys = {m: [t["key"] for t in data["trials"] if t["method"] == m] for m in methods.split(",")}
+    assert len({tuple(k) for k in keys.values()}) == 1
+    table = invoke(*common[:-1], "1").stdout
+    assert "pass-key accuracy" in table and "by depth" in table and "300 tokens" in table
+
+
+def test_needle_method_options(tiny_model_dir, tmp_path):
+    from kvcli.methods import METHODS
+
+    if "snapkv" not in METHODS:
+        pytest.skip("snapkv is not registered yet")
+    text = tmp_path / "haystack.txt"
+    text.write_text(TEXT)
+    common = ["needle", str(text), *tiny(tiny_model_dir), "--methods", "streamingllm,snapkv", "--lengths", "200",
+              "--depths", "0.5", "--cache", "48", "--max-new-tokens", "1", "--json"]
+    data = json.loads(invoke(*common, "-o", "kernel=3", "-o", "streamingllm.sinks=2").stdout)
+    assert data["params"]["snapkv"]["kernel"] == 3 and data["params"]["streamingllm"]["sinks"] == 2
+    with pytest.raises(UsageError, match="none of"):
+        invoke(*common, "-o", "nosuch=1")
+    with pytest.raises(UsageError, match="not one of --methods"):
+        invoke(*common, "-o", "treekv.sinks=1")
