@@ -40,29 +40,29 @@ def reset_peak_memory(device: torch.device) -> None:
         pass
 
 
+def _proc_status_bytes(field: str) -> int | None:
+    """A memory field of ``/proc/self/status`` (Linux, reported in KiB) in bytes, or None elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: the most memory torch allocated. CPU: the peak resident set size of this process."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    peak = _proc_status_bytes("VmHWM")
+    return peak if peak is not None else int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def current_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_status_bytes("VmRSS") or 0
 
 
 def mib(value: float) -> str:
