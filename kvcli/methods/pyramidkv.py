@@ -64,10 +64,6 @@ class PyramidKV(SnapKV):
     description = ("SnapKV selection (alpha = `window` = 8) under per-layer budgets decreasing "
                    "arithmetically from bottom to top (`beta` sets the top layer), averaging --cache.")
     window: int = param(8, "observation window alpha: the last queries that score the cache (paper: 8)")
-    kernel: int = param(7, "pooling width along the sequence (odd; 1 = no pooling)")
-    pooling: str = param("max", "pooling of the scores: max or avg")
-    sinks: int = param(0, "initial tokens always kept (the paper keeps none)")
-    recent: int | None = param(None, "most recent tokens always kept (default: the window)")
     beta: float = param(20.0, "pyramid shape: the top layer selects (cache - sinks - recent) / beta tokens")
 
     def validate(self, cache_size: int) -> None:
