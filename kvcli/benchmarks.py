@@ -7,7 +7,9 @@ prints, for the same token stream, model and dtype:
 * ``engine``: kvcli's streamed perplexity with the given method, cache and block;
 * ``plain-blocks``: a plain transformers forward (stock SDPA attention, ``DynamicCache``) of blocks of
   the same size against a cache of the same size: what one block costs without kvcli's bookkeeping;
-* ``hf-sliding``: Hugging Face's documented sliding-window perplexity (window = cache, stride = cache/2).
+* ``hf-sliding``: Hugging Face's documented sliding-window perplexity (window = cache, stride = cache/2);
+* ``plain-forward``: when the tokens fit the model's trained context, the perplexity of one plain forward
+  pass over all of them, next to the engine's (with ``--method full`` the two must agree).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def plain_blocks(model, ids: torch.Tensor, block: int, cache: int) -> float:
             for start in range(cache, ids.shape[0] - block + 1, block):
                 model(input_ids=ids[None, start:start + block], past_key_values=past, use_cache=True,
                       position_ids=torch.arange(cache, cache + block)[None])
-                past.crop(cache)
+                past.crop(-block)  # back to `cache` tokens: the cost of the next block is what matters
                 done += block
         return done / (time.perf_counter() - started)
     finally:
@@ -81,6 +83,17 @@ def hf_sliding(model, ids: torch.Tensor, window: int, stride: int) -> tuple[floa
         model.set_attn_implementation("kvcli")
 
 
+def plain_forward_ppl(model, ids: torch.Tensor) -> float:
+    """Perplexity of one stock forward pass over all of ``ids``: the reference the engine must match."""
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=ids[None]).logits[0]
+        return math.exp(float(F.cross_entropy(logits[:-1].float(), ids[1:])))
+    finally:
+        model.set_attn_implementation("kvcli")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source")
@@ -90,7 +103,7 @@ def main() -> None:
     parser.add_argument("--cache", type=int, default=1024)
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--skip", default="", help="comma-separated: plain-blocks,hf-sliding")
+    parser.add_argument("--skip", default="", help="comma-separated: plain-blocks,hf-sliding,plain-forward")
     args = parser.parse_args()
 
     loaded = load_model(args.model, dtype=args.dtype)
@@ -107,6 +120,10 @@ def main() -> None:
     if "hf-sliding" not in skip:
         ppl, speed = hf_sliding(loaded.model, ids, args.cache, args.cache // 2)
         print(f"hf-sliding {args.cache}/{args.cache // 2}   {speed:8.0f} tokens/s  ppl {ppl:.3f}")
+    trained = getattr(loaded.model.config, "max_position_embeddings", 0)
+    if "plain-forward" not in skip and ids.shape[0] <= trained:
+        ppl = plain_forward_ppl(loaded.model, ids)
+        print(f"plain-forward         ppl {ppl:.4f}  (engine differs by {abs(totals.ppl / ppl - 1):.4%})")
 
 
 if __name__ == "__main__":
