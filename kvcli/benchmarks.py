@@ -24,18 +24,13 @@ import torch.nn.functional as F
 from kvcli.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models import load_model
-from kvcli.text import iter_tokens, open_source
+from kvcli.perplexity import read_stream
+from kvcli.text import open_source
 
 
 def first_tokens(source: str, tokenizer, count: int) -> list[int]:
     """The first ``count`` tokens of a source's documents, read as one stream."""
-    ids: list[int] = []
-    for doc in open_source(source):
-        for chunk in iter_tokens(doc, tokenizer):
-            ids.extend(chunk.ids)
-            if len(ids) >= count:
-                return ids[:count]
-    return ids
+    return read_stream(open_source(source), tokenizer, count)[0]
 
 
 def plain_blocks(model, ids: torch.Tensor, block: int, cache: int) -> float:

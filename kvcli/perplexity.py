@@ -45,6 +45,22 @@ class TokenFeed:
             yield ids
 
 
+def stream_chunks(documents: Iterable[Document], tokenizer) -> Iterator[TokenChunk]:
+    """The documents' tokens one document after another: all of them read as one stream (``--stream``)."""
+    return itertools.chain.from_iterable(iter_tokens(doc, tokenizer) for doc in documents)
+
+
+def read_stream(documents: Iterable[Document], tokenizer, limit: int | None) -> tuple[list[int], int]:
+    """The first ``limit`` tokens of ``documents`` read as one stream, and the UTF-8 bytes they stand for.
+
+    For scoring the same tokens many times (``kvcli bench``, the benchmark script): tokenize once, keep
+    the ids. The ids are exactly those ``evaluate(..., stream=True)`` feeds the engine under the same limit.
+    """
+    feed = TokenFeed(stream_chunks(documents, tokenizer), tokenizer, limit)
+    ids = [token for chunk in feed for token in chunk]
+    return ids, feed.num_bytes
+
+
 @dataclass
 class PerplexityRun:
     """Everything ``kvcli ppl`` reports; ``as_dict`` is the ``--json`` object."""
@@ -107,8 +123,7 @@ def evaluate(
     overall = StreamTotals()
     rows: list[dict] = []
     if stream:
-        chunks = itertools.chain.from_iterable(iter_tokens(doc, tokenizer) for doc in documents)
-        overall = run(chunks, None if max_tokens is None else max_tokens + 1)
+        overall = run(stream_chunks(documents, tokenizer), None if max_tokens is None else max_tokens + 1)
     else:
         for doc in documents:
             remaining = None if max_tokens is None else max_tokens - overall.tokens
