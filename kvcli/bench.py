@@ -28,6 +28,7 @@ from kvcli.errors import KvcliError, UsageError
 from kvcli.methods import METHODS, Method, make_method
 from kvcli.models import LoadedModel
 from kvcli.perplexity import PerplexityRun, read_stream
+from kvcli.plots import pyplot, save_figure
 from kvcli.report import clean_json, dumps, peak_memory_bytes, reset_peak_memory
 from kvcli.text import Document
 
@@ -372,8 +373,6 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
 
     Needs matplotlib (:func:`kvcli.plots.pyplot` raises :class:`KvcliError` without it).
     """
-    from kvcli.plots import pyplot, save_figure
-
     plt = pyplot()
     runs = [run for run in results.get("runs", []) if run.get("ppl") is not None and run.get("method")]
     if not runs:
@@ -407,38 +406,53 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
         ax.legend(fontsize=9)
         written.append(save_figure(fig, Path(out_dir) / PPL_PLOT))
 
-    window = smoothing_window(runs)
+    written.append(_plot_positions(plt, budgeted, unbounded, caches, colors, smoothing_window(runs), subtitle,
+                                   Path(out_dir) / NLL_PLOT))
+    return written
+
+
+def _plot_positions(plt, budgeted: dict[str, list[dict]], unbounded: dict[str, list[dict]], caches: list[int],
+                    colors: dict[str, str], window: int, subtitle: str, path: Path) -> Path:
+    """One column per cache budget (wrapping after 3), each with two panels sharing the position axis.
+
+    Top: the running mean NLL of all tokens so far (it ends at log perplexity, so the order at the
+    right edge is the table's). Bottom: the mean over a trailing window, which shows where in the
+    stream a method loses or gains (TreeKV Figure 4 plots NLL against the stream position).
+    """
     panels = caches or [None]
     cols = min(len(panels), 3)
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), sharex=True, sharey=True,
+    groups = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(2 * groups, cols, figsize=(5.2 * cols, 3.4 * 2 * groups), sharex=True, sharey="row",
                              squeeze=False)
-    for ax, cache in zip(axes.flat, panels, strict=False):
-        for label, group in budgeted.items():
-            for run in group:
-                if run["cache"] == cache and run.get("curve"):
-                    xs, ys = zip(*smooth_curve(run["curve"], window), strict=True)
-                    ax.plot(xs, ys, label=label, color=colors[label], linewidth=1.4)
-        for label, group in unbounded.items():
-            if group[0].get("curve"):
-                xs, ys = zip(*smooth_curve(group[0]["curve"], window), strict=True)
-                ax.plot(xs, ys, label=f"{label} (uncompressed)", color="black", linestyle="--", linewidth=1.2)
-        ax.set_title("no budget" if cache is None else f"cache {cache:,} tokens/layer", fontsize=10)
+    for index, cache in enumerate(panels):
+        top, bottom = axes[2 * (index // cols), index % cols], axes[2 * (index // cols) + 1, index % cols]
+        lines = [(label, run, {"color": colors[label], "linewidth": 1.4})
+                 for label, group in budgeted.items() for run in group if run["cache"] == cache]
+        lines += [(f"{label} (uncompressed)", group[0], {"color": "black", "linestyle": "--", "linewidth": 1.2})
+                  for label, group in unbounded.items()]
+        for label, run, style in lines:
+            if not run.get("curve"):
+                continue
+            for ax, width in ((top, math.inf), (bottom, window)):
+                xs, ys = zip(*smooth_curve(run["curve"], width), strict=True)
+                ax.plot(xs, ys, label=label, **style)
+        top.set_title("no budget" if cache is None else f"cache {cache:,} tokens/layer", fontsize=10)
+        if index % cols == 0:
+            top.set_ylabel("NLL (nats/token),\nmean of all tokens so far")
+            bottom.set_ylabel(f"NLL (nats/token),\nmean of last {window:,} tokens")
+        bottom.set_xlabel("position in the stream (tokens)")
+        bottom.xaxis.set_tick_params(labelbottom=True)
+    for ax in axes.flat:
         ax.grid(True, alpha=0.3)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel("position in the stream (tokens)")
-    for ax in axes[:, 0]:
-        ax.set_ylabel(f"NLL (nats/token),\nmean of last {window:,} tokens")
+        if not ax.lines:
+            ax.set_visible(False)
     handles: dict[str, object] = {}
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
-    axes.flat[0].legend(handles.values(), handles.keys(), fontsize=8)
+    axes[0, 0].legend(handles.values(), handles.keys(), fontsize=8)
     fig.suptitle(f"NLL along the stream\n{subtitle}", fontsize=11)
-    written.append(save_figure(fig, Path(out_dir) / NLL_PLOT))
-    return written
+    return save_figure(fig, path)
 
 
 def bench_json(grid: GridResult, out_dir: Path, plots: list[Path]) -> dict:
