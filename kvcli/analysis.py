@@ -241,27 +241,44 @@ def layer_similarity(probs: Sequence[torch.Tensor]) -> torch.Tensor:
     return sim
 
 
-def greedy_layer_groups(sim: torch.Tensor, threshold: float = 0.5) -> list[list[int]]:
+def greedy_layer_groups(similar: torch.Tensor) -> list[list[int]]:
     """PoD's Algorithm 1 for one head: merge consecutive layers bottom-up while each is similar to all of the block.
 
-    Layer l joins the current (last) block when ``sim[l, m] >= threshold`` for every layer m already
-    in it; otherwise it starts a new block. Layers are numbered from 0 here (the paper counts from 1).
+    ``similar`` is a boolean ``[layers, layers]`` relation (``sim_h >= 0.5`` in the paper). Layer l
+    joins the current (last) block when it is similar to every layer already in it; otherwise it
+    starts a new block. Layers are numbered from 0 here (the paper counts from 1).
     """
     blocks = [[0]]
-    for layer in range(1, sim.shape[0]):
+    for layer in range(1, similar.shape[0]):
         current = blocks[-1]
-        if all(float(sim[layer, other]) >= threshold for other in current):
+        if all(bool(similar[layer, other]) for other in current):
             current.append(layer)
         else:
             blocks.append([layer])
     return blocks
 
 
+def group_vote(sim: torch.Tensor, kv_heads: int, threshold: float = 0.5) -> torch.Tensor:
+    """PoD's GQA rule (appendix B.2): two layers are similar for a KV head when most of its query heads say so.
+
+    ``sim`` is ``[q_heads, layers, layers]``; returns a boolean ``[kv_heads, layers, layers]``. A
+    strict majority is needed, so a tie (possible with an even group) counts as not similar.
+    """
+    q_heads, layers = sim.shape[0], sim.shape[1]
+    votes = (sim >= threshold).view(kv_heads, q_heads // kv_heads, layers, layers).sum(dim=1)
+    return votes * 2 > q_heads // kv_heads
+
+
 def similarity_report(sample: AttentionSample, threshold: float = 0.5) -> dict:
-    """Similarity matrices (per head and their mean) and PoD's groups per head, ready for JSON."""
+    """Similarity matrices (per query head and their mean) and PoD's groups, ready for JSON.
+
+    Groups are given per query head (Algorithm 1 as written), per KV head (the majority vote PoD
+    uses for GQA models, whose keys are shared per KV head) and for the mean matrix (a summary).
+    """
     sim = layer_similarity(sample.probs)
     mean = sim.mean(dim=0)
-    groups = [greedy_layer_groups(sim[h], threshold) for h in range(sim.shape[0])]
+    groups = [greedy_layer_groups(sim[h] >= threshold) for h in range(sim.shape[0])]
+    kv_groups = [greedy_layer_groups(vote) for vote in group_vote(sim, sample.values[0].shape[0], threshold)]
     return {
         "definition": "1 - Jensen-Shannon divergence (bits), averaged over the sampled queries",
         "threshold": threshold,
@@ -269,7 +286,9 @@ def similarity_report(sample: AttentionSample, threshold: float = 0.5) -> dict:
         "mean": _rounded(mean),
         "groups": groups,
         "group_counts": [len(g) for g in groups],
-        "mean_matrix_groups": greedy_layer_groups(mean, threshold),
+        "kv_groups": kv_groups,
+        "kv_group_counts": [len(g) for g in kv_groups],
+        "mean_matrix_groups": greedy_layer_groups(mean >= threshold),
     }
 
 
@@ -504,8 +523,8 @@ def summary_lines(result: dict) -> list[str]:
         f"keys holding {att['mass']:.0%} of attention: first {third} layers {mean(keys[:third]):.1%}, last {third} "
         f"{mean(keys[-third:]):.1%} of the visible keys (min {min(keys):.1%} at layer {keys.index(min(keys))}, "
         f"max {max(keys):.1%} at layer {keys.index(max(keys))})",
-        f"PoD groups (1 - JS >= {sim['threshold']}): per head {sim['group_counts']} of {layers} layers; "
-        f"the mean matrix gives {len(sim['mean_matrix_groups'])}",
+        f"PoD groups (1 - JS >= {sim['threshold']}) of {layers} layers: per query head {sim['group_counts']}, "
+        f"per KV head (majority vote) {sim['kv_group_counts']}, mean matrix {len(sim['mean_matrix_groups'])}",
     ]
     length = result["tokens"]
     quarter_edges = [round(i * length / 4) for i in range(5)]
@@ -580,8 +599,9 @@ def plot_similarity(result: dict, path: Path) -> Path:
 
     plt = pyplot()
     sim = result["similarity"]
+    group = result["attention"]["heads"] // result["attention"]["kv_heads"]
     panels = [("mean over heads", sim["mean"], sim["mean_matrix_groups"])]
-    panels += [(f"head {h}: {len(g)} group{'s' if len(g) > 1 else ''}", m, g)
+    panels += [(f"head {h} (KV {h // group}): {len(g)} group{'s' if len(g) > 1 else ''}", m, g)
                for h, (m, g) in enumerate(zip(sim["per_head"], sim["groups"], strict=True))]
     rows, cols = _grid(len(panels) + 1)
     fig, axes = plt.subplots(rows, cols, figsize=(2.3 * cols, 2.2 * rows), squeeze=False)
@@ -664,10 +684,9 @@ def plot_wavelet(result: dict, path: Path) -> Path:
     for level, (name, curve) in enumerate(wav["magnitude"].items()):
         axis.plot(centres, [curve[i] for i in inside], label=f"{name} (level {level + 1})", linewidth=1.2)
     axis.set_yscale("log")
-    axis.set_xlabel("position")
+    axis.set_xlabel(f"position (first and last {wav['edge']} left out)")
     axis.set_ylabel("mean |Rec(D_l)|")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    axis.set_title(f"Haar detail magnitude of a ∘ V (last query), layers and heads averaged; first and last "
-                   f"{wav['edge']} tokens left out", fontsize=9)
+    axis.set_title("Haar detail magnitude of a ∘ V for the last query (mean over layers and heads)", fontsize=9)
     return save_figure(fig, path)

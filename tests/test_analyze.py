@@ -17,6 +17,7 @@ from kvcli.analysis import (
     detail_reconstruction,
     entropy_bits,
     greedy_layer_groups,
+    group_vote,
     haar_dwt,
     haar_idwt,
     js_divergence,
@@ -127,9 +128,20 @@ def test_greedy_grouping_needs_similarity_to_every_layer_of_the_block():
     ]
     expected = [[0, 1, 2], [3, 4, 5]]
     assert literal_groups(sim, 0.5) == expected
-    assert greedy_layer_groups(torch.tensor(sim), 0.5) == expected
-    assert greedy_layer_groups(torch.tensor(sim), 0.95) == [[0], [1], [2], [3], [4], [5]]
-    assert greedy_layer_groups(torch.tensor(sim), 0.0) == [[0, 1, 2, 3, 4, 5]]
+    assert greedy_layer_groups(torch.tensor(sim) >= 0.5) == expected
+    assert greedy_layer_groups(torch.tensor(sim) >= 0.95) == [[0], [1], [2], [3], [4], [5]]
+    assert greedy_layer_groups(torch.tensor(sim) >= 0.0) == [[0, 1, 2, 3, 4, 5]]
+
+
+def test_kv_head_groups_follow_the_majority_of_their_query_heads():
+    alike = torch.ones(3, 3)
+    apart = torch.eye(3)
+    # KV head 0: query heads 0-2, two of three see layers alike; KV head 1: query heads 3-5, one of three
+    sim = torch.stack([alike, alike, apart, alike, apart, apart])
+    vote = group_vote(sim, kv_heads=2, threshold=0.5)
+    assert [greedy_layer_groups(v) for v in vote] == [[[0, 1, 2]], [[0], [1], [2]]]
+    tie = group_vote(torch.stack([alike, apart]), kv_heads=1)  # a tie is not a majority
+    assert greedy_layer_groups(tie[0]) == [[0], [1], [2]]
 
 
 # --- Haar wavelets ---------------------------------------------------------------------------------------
@@ -232,6 +244,7 @@ def test_analyze_writes_json_with_four_sections_and_pngs(tiny_model_dir, book, t
     sim = data["similarity"]
     assert len(sim["per_head"]) == 4 and len(sim["groups"]) == 4
     assert all(sum(len(g) for g in groups) == 2 for groups in sim["groups"])
+    assert len(sim["kv_groups"]) == 2 and len(sim["kv_group_counts"]) == 2
     methods = data["positions"]["methods"]
     assert list(methods) == ["streamingllm", "h2o", "snapkv", "tova", "treekv", "pyramidkv", "pyramidinfer"]
     for row in methods.values():
