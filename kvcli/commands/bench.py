@@ -25,7 +25,6 @@ from kvcli.cli import (
     app,
     load,
 )
-from kvcli.commands.reading import _split_list, method_options
 from kvcli.errors import UsageError
 
 
@@ -61,6 +60,7 @@ def bench(
 ) -> None:
     """Perplexity, speed and memory of several methods at several cache sizes on the same tokens."""
     from kvcli.bench import bench_json, check_out_dir, plan_grid, read_token_stream, run_grid
+    from kvcli.commands.reading import _split_list, method_options  # here: reading imports kvcli.cli
     from kvcli.report import StreamProgress, dumps, print_result, stderr_console, warn
     from kvcli.text import open_source
 
