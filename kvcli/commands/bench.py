@@ -6,6 +6,7 @@ progress, skipped runs and the paths written go to stderr.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -89,7 +90,7 @@ def bench(
         progress.update(0, 0.0, float("nan"), 0, label=spec.label)
 
     def on_block(stats, totals) -> None:
-        ppl_now = 2.718281828459045 ** (totals.nll_sum / totals.tokens) if totals.tokens else float("nan")
+        ppl_now = math.exp(totals.nll_sum / totals.tokens) if totals.tokens else float("nan")
         progress.update(totals.processed, stats.tokens_per_second, ppl_now, stats.cache_tokens)
 
     def on_run(run: dict, index: int, total: int) -> None:
@@ -98,7 +99,8 @@ def bench(
 
     with progress.running():
         grid = run_grid(loaded, stream, specs, block=block, out_dir=out, on_block=on_block, warn=say,
-                        on_skip=lambda runs: note(f"skipping {len(runs)} finished runs already in {out}"),
+                        on_skip=lambda runs: note(f"skipping {len(runs)} finished run{'s' * (len(runs) != 1)} "
+                                                  f"already in {out}"),
                         on_start=on_start, on_run=on_run)
     if json_out:
         plots = _plots(grid, out, plot, say, note)
