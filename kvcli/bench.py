@@ -10,7 +10,6 @@ rerun into the same folder skips the runs it already has. The plots are drawn fr
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import gc
 import json
 import math
@@ -210,7 +209,7 @@ def measure(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: int,
 def run_record(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: int, totals: StreamTotals,
                peak: int) -> dict:
     """One run as ``results.json`` stores it: ``kvcli ppl --stream --json``'s keys plus source, curve, time."""
-    params = dataclasses.asdict(spec.build())
+    params = spec.build().settings()
     record = PerplexityRun(loaded, spec.method, params, spec.cache, block, "stream", totals, [], peak).as_dict()
     record.pop("interrupted")
     record["source"] = stream.source
@@ -253,7 +252,7 @@ def run_grid(
     head = metadata(common, stream)
     finished = {run_key(run): run for run in results["runs"]}
     keys = [run_key({**common, "method": spec.method, "cache": spec.cache,
-                     "params": dataclasses.asdict(spec.build())}) for spec in specs]
+                     "params": spec.build().settings()}) for spec in specs]
     skipped = [finished[key] for key in keys if key in finished]
     pending = [spec for spec, key in zip(specs, keys, strict=True) if key not in finished]
     if skipped and on_skip:

@@ -58,14 +58,49 @@ def parse_options(options: list[str] | None) -> dict[str, str]:
     return parsed
 
 
-def build_method(name: str, options: list[str] | None, cache: int):
+def build_method(name: str, options: list[str] | dict | None, cache: int):
+    """The method ``name`` with its ``-o`` options (raw ``KEY=VALUE`` strings or parsed), checked against ``cache``."""
     from kvcli.methods import make_method
 
     if cache < 1:
         raise UsageError(f"--cache must be a positive number of tokens, not {cache}")
-    method = make_method(name, parse_options(options))
+    method = make_method(name, options if isinstance(options, dict) else parse_options(options))
     method.validate(cache)
     return method
+
+
+def split_list(text: str, convert, what: str) -> list:
+    """``"a,b,c"`` as a list of converted items; a usage error names the option ``what`` when it fails."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise UsageError(f"{what} is empty")
+    try:
+        return [convert(item) for item in items]
+    except ValueError:
+        raise UsageError(f"{what}: cannot read {text!r} as a comma-separated list") from None
+
+
+def method_options(methods: list[str], options: list[str] | None) -> dict[str, dict]:
+    """``-o KEY=VALUE`` for every method with parameter KEY, ``-o METHOD.KEY=VALUE`` for one method."""
+    import dataclasses
+
+    from kvcli.methods import METHODS
+
+    out: dict[str, dict] = {name: {} for name in methods}
+    for key, value in parse_options(options).items():
+        target, dot, name = key.rpartition(".")
+        if dot:
+            if target not in out:
+                raise UsageError(f"-o {key}: {target!r} is not one of --methods")
+            out[target][name] = value
+            continue
+        having = [m for m in methods if m in METHODS
+                  and name.replace("-", "_") in {f.name for f in dataclasses.fields(METHODS[m])}]
+        if not having:
+            raise UsageError(f"-o {key}: none of {', '.join(methods)} has a parameter {name!r}")
+        for m in having:
+            out[m][name] = value
+    return out
 
 
 def load(model: str, device: str, dtype: str, device_map: str | None, load_in_4bit: bool, load_in_8bit: bool):
@@ -146,7 +181,7 @@ def ppl(
         if jsonl_file:
             jsonl_file.close()
     protocol = "sliding" if context is not None else ("stream" if stream else "documents")
-    run = PerplexityRun(loaded, method, _params(method_obj), budget, block, protocol, totals, rows, peak)
+    run = PerplexityRun(loaded, method, method_obj.settings(), budget, block, protocol, totals, rows, peak)
     result = run.as_dict()
     if json_out:
         from kvcli.report import dumps
@@ -156,12 +191,6 @@ def ppl(
         print_result(summary_text(result))
     if totals.interrupted:
         raise typer.Exit(130)
-
-
-def _params(method_obj) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(method_obj, f.name) for f in dataclasses.fields(method_obj)}
 
 
 def summary_text(result: dict) -> str:

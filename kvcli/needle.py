@@ -9,7 +9,6 @@ Every method sees the same haystacks and keys.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 import time
@@ -125,7 +124,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
 
     parts = build_prompt(tokenizer, question_instruction(QUESTION, answer_prefix))
     stop_ids = stop_token_ids(tokenizer, model)
-    params = {name: {f.name: getattr(m, f.name) for f in dataclasses.fields(m)} for name, m in built.items()}
+    params = {name: m.settings() for name, m in built.items()}
     result = NeedleResult(settings={"cache": cache, "block": block, "seed": seed, "question": QUESTION,
                                     "answer_prefix": answer_prefix, "needle": NEEDLE, "max_new_tokens": max_new_tokens,
                                     "probe": probe, "params": params})

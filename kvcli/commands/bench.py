@@ -25,6 +25,8 @@ from kvcli.cli import (
     QuietOpt,
     app,
     load,
+    method_options,
+    split_list,
 )
 from kvcli.errors import UsageError
 
@@ -61,12 +63,11 @@ def bench(
 ) -> None:
     """Perplexity, speed and memory of several methods at several cache sizes on the same tokens."""
     from kvcli.bench import bench_json, check_out_dir, plan_grid, read_token_stream, run_grid
-    from kvcli.commands.reading import _split_list, method_options  # here: reading imports kvcli.cli
     from kvcli.report import StreamProgress, dumps, print_result, stderr_console, warn
     from kvcli.text import open_source
 
-    method_list = _split_list(methods, str, "--methods")
-    budgets = _split_list(cache, int, "--cache")
+    method_list = split_list(methods, str, "--methods")
+    budgets = split_list(cache, int, "--cache")
     if block < 1:
         raise UsageError(f"--block must be at least 1, not {block}")
     if max_tokens < 1:

@@ -27,8 +27,11 @@ from kvcli.cli import (
     OptionOpt,
     QuietOpt,
     app,
+    build_method,
     load,
+    method_options,
     parse_options,
+    split_list,
 )
 from kvcli.errors import UsageError
 
@@ -82,16 +85,6 @@ def apply_presets(ctx: typer.Context, specs: list[str] | None, values: dict) -> 
     out["options"] = {**merged.get("options", {}), **parse_options(values.get("option"))}
     out["stop"] = list(dict.fromkeys([*merged.get("stop", []), *(values.get("stop") or [])]))
     return out
-
-
-def _build_method(name: str, options: dict, cache: int):
-    from kvcli.methods import make_method
-
-    if cache < 1:
-        raise UsageError(f"--cache must be a positive number of tokens, not {cache}")
-    method = make_method(name, options)
-    method.validate(cache)
-    return method
 
 
 class StdoutStream:
@@ -165,7 +158,7 @@ def read_and_write(ctx: typer.Context, *, command: str, source: str, instruction
         raise UsageError(f"--max-new-tokens must be at least 1, not {v['max_new_tokens']}")
     if v["temperature"] < 0:
         raise UsageError(f"--temperature must not be negative, not {v['temperature']}")
-    method_obj = _build_method(v["method"], v["options"], v["cache"])
+    method_obj = build_method(v["method"], v["options"], v["cache"])
     quiet = v["quiet"]
     say = (lambda message: None) if quiet else warn
     documents = open_source(source, encoding=v["encoding"], warn=say)
@@ -209,7 +202,7 @@ def read_and_write(ctx: typer.Context, *, command: str, source: str, instruction
             "write_seconds": gen.write_seconds,
             "model": loaded.name,
             "method": v["method"],
-            "params": _params(method_obj),
+            "params": method_obj.settings(),
             "cache": budget,
             "block": v["block"],
             "one_shot": gen.one_shot,
@@ -226,12 +219,6 @@ def read_and_write(ctx: typer.Context, *, command: str, source: str, instruction
             f"KV cache {mib(gen.kv_cache_bytes)} · peak memory {mib(peak)}", markup=False, highlight=False)
     if gen.finish_reason == "interrupted":
         raise typer.Exit(130)
-
-
-def _params(method_obj) -> dict:
-    import dataclasses
-
-    return {f.name: getattr(method_obj, f.name) for f in dataclasses.fields(method_obj)}
 
 
 @app.command()
@@ -319,16 +306,6 @@ def ask(
                    values=locals())
 
 
-def _split_list(text: str, convert, what: str) -> list:
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
-        raise UsageError(f"{what} is empty")
-    try:
-        return [convert(item) for item in items]
-    except ValueError:
-        raise UsageError(f"{what}: cannot read {text!r} as a comma-separated list") from None
-
-
 def _depth(item: str) -> float:
     value = float(item.rstrip("%")) / (100 if item.endswith("%") else 1)
     return value
@@ -375,12 +352,12 @@ def needle(
     from kvcli.report import dumps, print_result, warn
     from kvcli.text import open_source
 
-    method_list = _split_list(methods, str, "--methods")
+    method_list = split_list(methods, str, "--methods")
     for name in method_list:
         if name not in METHODS:
             raise UsageError(f"unknown method {name!r}; choose from: {', '.join(sorted(METHODS))}")
-    length_list = _split_list(lengths, _length, "--lengths")
-    depth_list = _split_list(depths, _depth, "--depths")
+    length_list = split_list(lengths, _length, "--lengths")
+    depth_list = split_list(depths, _depth, "--depths")
     if trials < 1:
         raise UsageError("--trials must be at least 1")
     if block < 1 or max_new_tokens < 1:
@@ -410,28 +387,6 @@ def needle(
         print_result(dumps({"model": loaded.name, **result.as_dict()}))
     else:
         print_result(needle_tables(result, loaded.name))
-
-
-def method_options(methods: list[str], options: list[str] | None) -> dict[str, dict]:
-    """``-o KEY=VALUE`` for every method with parameter KEY, ``-o METHOD.KEY=VALUE`` for one method."""
-    import dataclasses
-
-    from kvcli.methods import METHODS
-
-    out: dict[str, dict] = {name: {} for name in methods}
-    for key, value in parse_options(options).items():
-        target, dot, name = key.rpartition(".")
-        if dot:
-            if target not in out:
-                raise UsageError(f"-o {key}: {target!r} is not one of --methods")
-            out[target][name] = value
-            continue
-        having = [m for m in methods if name.replace("-", "_") in {f.name for f in dataclasses.fields(METHODS[m])}]
-        if not having:
-            raise UsageError(f"-o {key}: none of {', '.join(methods)} has a parameter {name!r}")
-        for m in having:
-            out[m][name] = value
-    return out
 
 
 def needle_tables(result, model_name: str) -> str:

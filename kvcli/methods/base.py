@@ -46,6 +46,10 @@ class Method:
         """Indices ``[H_kv, k]`` (ascending) of the tokens to keep, or None to keep all."""
         return None
 
+    def settings(self) -> dict:
+        """This instance's parameter values by name: what results record so a run can be reproduced."""
+        return dataclasses.asdict(self)
+
     @classmethod
     def params(cls) -> list[dict]:
         """Name, default, type and help of every parameter, for ``kvcli methods --json``."""
