@@ -252,6 +252,14 @@ def test_block_streaming_matches_sequential_evictions(seed, block, window, sinks
     assert ours == run_reference(70, budget, seed, block, window, sinks, recent_n)
 
 
+def test_auto_unit_is_token_level_when_streaming():
+    """tree_block=0 evicts token by token once a stream extends a cache (the paper's language modelling)."""
+    budget, block = 40, 20  # the first block fills an empty cache without evicting; later ones extend it
+    recent_n = Split.of(budget, 2, None).recent
+    ours = run_method(120, budget, 9, block=block, window=4, sinks=2, recent=None, tree_block=0)
+    assert ours == run_reference(120, budget, 9, block, 4, 2, recent_n)
+
+
 @pytest.mark.parametrize("seed,block,unit,sinks,recent,budget", [
     (0, 4, 2, 0, 0, 12), (1, 8, 4, 2, 3, 21), (2, 6, 4, 1, 2, 17), (3, 16, 4, 0, 0, 16),
     (4, 5, 2, 2, None, 15),
