@@ -73,6 +73,11 @@ def test_rerun_skips_finished_runs_without_measuring(tiny_model_dir, book, tmp_p
     data = json.loads(result.stdout)
     assert data["skipped"] == 5 and data["measured"] == 0 and len(data["runs"]) == 5
 
+    table = bench(*grid_args(tiny_model_dir, book, out, "--no-plot", "--markdown")).stdout
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert rows[0].split("|")[1].strip() == "method" and set(rows[1]) <= set("|-: ")
+    assert len(rows) == 2 + 5 and rows[2].split("|")[1].strip() == "full"
+
 
 def test_json_stdout_is_one_object(tiny_model_dir, book, tmp_path):
     result = bench(book, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "48", "--block",

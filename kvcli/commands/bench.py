@@ -49,6 +49,7 @@ def bench(
                                                      "(repeatable).")] = None,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw ppl_vs_cache.png and nll_vs_position.png "
                                        "(needs matplotlib).")] = True,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown (for docs).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object {runs: [...], ...} instead of "
                                            "the table.")] = False,
     model: ModelOpt = "smollm2-135m",
@@ -107,7 +108,7 @@ def bench(
         plots = _plots(grid, out, plot, say, note)
         print_result(dumps(bench_json(grid, out, plots)))
     else:
-        print_result(bench_table(grid.runs, grid.settings, grid.interrupted))
+        print_result(bench_table(grid.runs, grid.settings, grid.interrupted, markdown))
         _plots(grid, out, plot, say, note)
     if grid.interrupted:
         note(f"interrupted: {len(grid.runs)} of {len(specs)} runs are in {out}; run the same command to go on")
@@ -134,10 +135,12 @@ def _label(run: dict) -> str:
     return run["method"] if run["cache"] is None else f"{run['method']} · cache {run['cache']:,}"
 
 
-def bench_table(runs: list[dict], settings: dict, interrupted: bool = False) -> str:
-    """The grid's runs as a Rich table rendered to plain text (what the text mode prints on stdout)."""
+def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, markdown: bool = False) -> str:
+    """The grid's runs as a Rich table rendered to plain text (what the text mode prints on stdout);
+    ``markdown`` draws it as a Markdown table under its caption, ready to paste into docs."""
     import io
 
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -149,9 +152,13 @@ def bench_table(runs: list[dict], settings: dict, interrupted: bool = False) -> 
     source = Path(settings["source"]).name or settings["source"]
     uncompressed = runs[0]["full_kv_cache_bytes"] if runs else 0
     title = "kvcli bench" + (" (interrupted: finished runs only)" if interrupted else "")
-    table = Table(title=title, caption=f"{settings['model']} · {settings['tokens']:,} tokens of {source} · block "
-                  f"{settings['block']} · {settings['device']} ({settings['dtype']}) · uncompressed KV cache "
-                  f"{mib(uncompressed)}")
+    caption = (f"{settings['model']} · {settings['tokens']:,} tokens of {source} · block {settings['block']} · "
+               f"{settings['device']} ({settings['dtype']}) · uncompressed KV cache {mib(uncompressed)}")
+    if markdown:
+        table = Table(box=box.MARKDOWN)
+        console.print(caption + "\n")
+    else:
+        table = Table(title=title, caption=caption)
     table.add_column("method")
     table.add_column("cache", justify="right")
     table.add_column("perplexity", justify="right")
