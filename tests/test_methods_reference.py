@@ -232,8 +232,12 @@ def test_snapkv_keeps_the_pooled_window_votes(kernel, pooling, sinks, recent):
     drive(method, SnapKVRef(1, 2, window, kernel, pooling, sinks, recent), [20], window_of=lambda n: window)
 
 
+def test_pyramidkv_default_kernel_is_snapkv_default():
+    assert make_method("pyramidkv", {}).kernel == make_method("snapkv", {}).kernel == 15
+
+
 def test_pyramidkv_selects_like_snapkv_under_layer_budgets():
-    method = make_method("pyramidkv", {"beta": 4})
+    method = make_method("pyramidkv", {"beta": 4, "kernel": 7})
     budgets = method.layer_budgets(24, 3)
     assert budgets[0] > budgets[1] > budgets[2] > 8 and sum(budgets) == 72
     reference = SnapKVRef(3, 2, window=8, kernel=7, pooling="max", sinks=0, recent=None)

@@ -74,7 +74,7 @@ class SnapKV(Method):
     description = ("Keep the tokens the last `window` queries attend to most (pooled over `kernel` "
                    "neighbours, per KV head) plus the window itself.")
     window: int = param(32, "observation window: how many of a block's last queries score the cache")
-    kernel: int = param(7, "pooling width along the sequence (odd; 1 = no pooling)")
+    kernel: int = param(15, "pooling width along the sequence (odd; 1 = no pooling; the paper's code uses 7)")
     pooling: str = param("max", "pooling of the scores: max or avg")
     sinks: int = param(0, "initial tokens always kept (the paper keeps none)")
     recent: int | None = param(None, "most recent tokens always kept (default: the window)")
