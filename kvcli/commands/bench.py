@@ -156,7 +156,7 @@ def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, mar
                f"{settings['device']} ({settings['dtype']}) · uncompressed KV cache {mib(uncompressed)}")
     if markdown:
         table = Table(box=box.MARKDOWN)
-        console.print(caption + "\n")
+        console.print(caption + "\n", soft_wrap=True)
     else:
         table = Table(title=title, caption=caption)
     table.add_column("method")
@@ -180,4 +180,8 @@ def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, mar
         console.print("no run finished")
     else:
         console.print(table)
-    return buffer.getvalue()
+    text = buffer.getvalue()
+    if not markdown:
+        return text
+    lines = [line.rstrip() for line in text.strip("\n").splitlines()]
+    return "\n".join(line for i, line in enumerate(lines) if line or lines[i - 1]).rstrip() + "\n"  # one blank at most
