@@ -421,7 +421,8 @@ def _plot_positions(plt, budgeted: dict[str, list[dict]], unbounded: dict[str, l
     panels = caches or [None]
     cols = min(len(panels), 3)
     groups = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(2 * groups, cols, figsize=(5.2 * cols, 3.4 * 2 * groups), sharex=True, sharey="row",
+    width = max(5.2 * cols, 8.0)  # one budget alone still leaves room for the subtitle
+    fig, axes = plt.subplots(2 * groups, cols, figsize=(width, 3.4 * 2 * groups), sharex=True, sharey="row",
                              squeeze=False)
     for index, cache in enumerate(panels):
         top, bottom = axes[2 * (index // cols), index % cols], axes[2 * (index // cols) + 1, index % cols]
