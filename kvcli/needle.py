@@ -79,10 +79,26 @@ def haystack(tokenizer, tokens: Sequence[int], length: int, depth: float, key: s
     inserted at ``depth`` (0 = start, 1 = end) of the excerpt."""
     excerpt = list(tokens[offset:offset + length])
     at = round(depth * len(excerpt))
-    before = tokenizer.decode(excerpt[:at]).rstrip()
-    after = tokenizer.decode(excerpt[at:]).lstrip()
+    before = tokenizer.decode(excerpt[:at])
+    after = tokenizer.decode(excerpt[at:])
+    before, after = sentence_break(before, after, reach=len(before + after) // 50)
     needle = NEEDLE.format(key=key)
-    return " ".join(part for part in (before, needle, after) if part)
+    return " ".join(part for part in (before.rstrip(), needle, after.lstrip()) if part)
+
+
+SENTENCE_END = re.compile(r"""[.!?;]["'’”)]*\s""")
+
+
+def sentence_break(before: str, after: str, reach: int) -> tuple[str, str]:
+    """Move the cut back to the last sentence end within ``reach`` characters, so the needle is a
+    sentence of its own rather than a clause spliced into another (which the model reads past: full
+    attention found 3/5 keys cut in mid-sentence on *A Tale of Two Cities*, see docs/reading.md)."""
+    tail = before[max(len(before) - reach, 0):] if reach > 0 else ""
+    ends = list(SENTENCE_END.finditer(tail))
+    if not ends:
+        return before, after
+    cut = len(before) - len(tail) + ends[-1].end()
+    return before[:cut], before[cut:] + after
 
 
 def excerpt_offset(total: int, length: int, trial: int) -> int:

@@ -21,7 +21,7 @@ from kvcli.generate import (
 )
 from kvcli.methods import METHODS, make_method
 from kvcli.models import tiny_llama
-from kvcli.needle import NEEDLE, excerpt_offset, haystack, is_correct
+from kvcli.needle import NEEDLE, excerpt_offset, haystack, is_correct, sentence_break
 
 DOC = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do."
 
@@ -210,6 +210,14 @@ def test_haystack_hides_the_needle_at_its_depth(smol_tokenizer):
         assert abs(where - depth) < 0.05
     assert excerpt_offset(1000, 300, 0) == 0 and excerpt_offset(1000, 300, 2) == 600
     assert excerpt_offset(1000, 300, 3) == 900 % 701 and excerpt_offset(200, 300, 5) == 0
+
+
+def test_needle_starts_after_a_sentence_end_within_reach():
+    assert sentence_break("He came. She said \u201cno.\u201d Then he went", " away.", 40) == (
+        "He came. She said \u201cno.\u201d ", "Then he went away.")
+    assert sentence_break("He came. Then he went", " away.", 5) == ("He came. Then he went", " away.")  # too far
+    assert sentence_break("no end here", " at all", 100) == ("no end here", " at all")
+    assert sentence_break("Mr. Smith", " came", 0) == ("Mr. Smith", " came")
 
 
 def test_answer_check():
