@@ -185,7 +185,9 @@ class LayerView:
     """What a compression method sees of one layer after a forward pass.
 
     ``num_new`` tokens were appended since the last compression; ``record`` holds the attention
-    of the last ``record.window`` queries (None when the method asked for no scores).
+    of the last ``record.window`` queries (None when the method asked for no scores). ``decoding``
+    is set while a model writes after reading a prompt, for methods whose papers treat generation
+    differently from reading (SnapKV and PyramidKV compress the prompt once).
     """
 
     layer_idx: int
@@ -193,6 +195,7 @@ class LayerView:
     layer: CompressedLayer
     num_new: int
     record: AttentionRecord | None
+    decoding: bool = False
     extras: dict = field(default_factory=dict)
 
     @property

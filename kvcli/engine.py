@@ -100,14 +100,15 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,
-                compress: bool = True) -> torch.Tensor:
+                compress: bool = True, decoding: bool = False) -> torch.Tensor:
         """Run ``ids`` ``[1, n]`` against ``cache``, compress, and return the last hidden states ``[n, d]``.
 
         Hidden states rather than logits: a 49k-token vocabulary makes the logits of a block the
         largest tensor of the pass, so :meth:`token_nll` projects them in small chunks instead.
 
         ``probe`` holds query tokens (a question) that join the observation window of every
-        compression without entering the cache: query-aware compression.
+        compression without entering the cache: query-aware compression. ``decoding`` marks a
+        generated token (see :class:`kvcli.cache.LayerView`).
         """
         n = ids.shape[1]
         cache.score_window = self.method.score_window(n) if compress and self.budgets else 0
@@ -116,7 +117,7 @@ class Engine:
             self._run(cache, probe, store=False)
         cache.stream_start += n
         if compress and self.budgets:
-            self.compress(cache, n)
+            self.compress(cache, n, decoding)
         for layer in cache.layers:
             layer.record = None
         return hidden[0]
@@ -157,9 +158,9 @@ class Engine:
             out[i:i + chunk] = torch.logsumexp(logits, dim=-1) - picked
         return out
 
-    def compress(self, cache: KVCache, num_new: int) -> None:
+    def compress(self, cache: KVCache, num_new: int, decoding: bool = False) -> None:
         for idx, layer in enumerate(cache.layers):
-            view = LayerView(idx, self.num_layers, layer, num_new, layer.record)
+            view = LayerView(idx, self.num_layers, layer, num_new, layer.record, decoding)
             keep = self.method.compress(view, self.budgets[idx])
             if keep is not None:
                 layer.keep(keep)

@@ -328,10 +328,11 @@ class Reader:
         self._progress(total, cache, started)
         return hidden
 
-    def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation) -> torch.Tensor:
+    def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,
+                 decoding: bool = False) -> torch.Tensor:
         if not ids:
             raise KvcliError("the prompt is empty")
-        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe)
+        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe, decoding=decoding)
         result.max_cache_tokens = max(result.max_cache_tokens, max(cache.lengths()))
         return hidden
 
@@ -364,7 +365,7 @@ class Reader:
                     break
                 if step + 1 == max_new_tokens:
                     break
-                hidden = self._forward(cache, [token], None, result)
+                hidden = self._forward(cache, [token], None, result, decoding=True)
                 logits = self.engine.logits(hidden[-1:])[0]
         except KeyboardInterrupt:
             result.finish_reason = "interrupted"

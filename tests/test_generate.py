@@ -47,10 +47,10 @@ def spy_forward(engine: Engine) -> list[dict]:
     calls: list[dict] = []
     original = engine.forward
 
-    def forward(cache, ids, probe=None, compress=True):
-        hidden = original(cache, ids, probe=probe, compress=compress)
+    def forward(cache, ids, probe=None, compress=True, decoding=False):
+        hidden = original(cache, ids, probe=probe, compress=compress, decoding=decoding)
         calls.append({"ids": ids[0].tolist(), "probe": None if probe is None else probe[0].tolist(),
-                      "lengths": cache.lengths()})
+                      "lengths": cache.lengths(), "decoding": decoding})
         return hidden
 
     engine.forward = forward

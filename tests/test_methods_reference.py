@@ -222,6 +222,25 @@ def test_tova_keeps_what_the_last_query_attends_to(sinks, recent):
     assert all(h == heads[0] for h in heads)  # one choice per layer
 
 
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv"])
+def test_snapkv_decoding_keeps_the_prompt_selection_and_slides_the_window(name):
+    """While writing, the prompt's selection stays and the token leaving the recent window goes."""
+    method = make_method(name, {"window": 4, "sinks": 1})
+    cache = make_cache(num_layers=1, kv_heads=2)
+    append_tokens(cache, 20)
+    cache.layers[0].keep(torch.tensor([[0, 3, 5, 9, 12, 16, 17, 18, 19], [0, 2, 7, 8, 13, 16, 17, 18, 19]]))
+    append_tokens(cache, 1)  # stream position 20, cache length 10 > budget 9
+    layer = cache.layers[0]
+    probs = torch.rand(2, 1, 10)  # one decoding query, whatever it looks at
+    keep = method.compress(LayerView(0, 1, layer, 1, AttentionRecord(probs, 1), decoding=True), 9)
+    layer.keep(keep)
+    # the window is the last 4 tokens (17, 18, 19, 20); 16 has just left it
+    assert kept_positions(cache) == [[0, 3, 5, 9, 12, 17, 18, 19, 20], [0, 2, 7, 8, 13, 17, 18, 19, 20]]
+    append_tokens(cache, 1)
+    scored = method.compress(LayerView(0, 1, cache.layers[0], 1, AttentionRecord(torch.rand(2, 1, 10), 1)), 9)
+    assert scored.shape == (2, 9)  # outside decoding the one query's attention re-selects as in the paper
+
+
 @pytest.mark.parametrize("kernel,pooling,sinks,recent", [
     (7, "max", 0, None), (3, "avg", 0, None), (5, "max", 2, 3), (1, "max", 1, 6), (5, "avg", 2, 8)])
 def test_snapkv_keeps_the_pooled_window_votes(kernel, pooling, sinks, recent):

@@ -47,6 +47,20 @@ def check_pooling(window: int, kernel: int, pooling: str) -> None:
         raise UsageError(f"pooling must be 'max' or 'avg' (got {pooling!r})")
 
 
+def slide_window(view: LayerView, sinks: int, recent: int) -> torch.Tensor:
+    """Decoding: the prompt's selection stays and only the recent window slides.
+
+    SnapKV and PyramidKV compress the prompt once and let the cache grow while writing; under a
+    fixed budget the closest rule evicts the one token that has just left the window. Re-selecting
+    with one query at every step instead drops tokens the next steps need (the later digits of a
+    number being copied out): see docs/methods.md.
+    """
+    length, heads = view.length, view.num_heads
+    leaving = max(length - recent - 1, min(sinks, length - 1))
+    kept = torch.arange(length - 1, device=view.layer.device)
+    return (kept + (kept >= leaving).long()).expand(heads, length - 1)
+
+
 def snap_select(view: LayerView, budget: int, sinks: int, recent: int, window: int, kernel: int,
                 pooling: str) -> torch.Tensor | None:
     """SnapKV's choice for one layer: sinks, the last ``recent`` tokens, and the pooled top-scoring rest.
@@ -58,6 +72,8 @@ def snap_select(view: LayerView, budget: int, sinks: int, recent: int, window: i
     length = view.length
     if length <= budget:
         return None
+    if view.decoding and recent > 0 and length - budget == 1:
+        return slide_window(view, sinks, recent)
     if view.record is None:
         raise RuntimeError("snapkv-style selection needs the attention of the observation window")
     scores = group_mean(view.record.probs)[:, :length]
