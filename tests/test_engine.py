@@ -145,3 +145,29 @@ def test_cache_support_helpers_append():
     append_tokens(cache, 5)
     append_tokens(cache, 3)
     assert cache.lengths() == [8, 8] and cache.layers[1].token_idx[0].tolist() == list(range(8))
+
+
+def test_long_prefill_uses_the_causal_kernel_with_the_same_output_and_window(monkeypatch):
+    """A prefill into an empty cache switches from the explicit attention to SDPA's causal kernel past
+    CAUSAL_KERNEL_FROM queries; the output and the recorded window must not change."""
+    from kvcli import attention
+    from kvcli.cache import KVCache
+
+    torch.manual_seed(0)
+    query = torch.randn(1, 4, 40, 8)
+    key, value = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    module = torch.nn.Module()
+    module.layer_idx = 0
+
+    def run(threshold: int):
+        monkeypatch.setattr(attention, "CAUSAL_KERNEL_FROM", threshold)
+        cache = KVCache(1, torch.ones(4))
+        cache.score_window = 6
+        output, _ = attention.kvcli_attention(module, query, key, value, None, kvcli_cache=cache)
+        return output, cache.layers[0].record.probs
+
+    explicit_out, explicit_probs = run(10_000)
+    causal_out, causal_probs = run(16)
+    torch.testing.assert_close(causal_out, explicit_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(causal_probs, explicit_probs, rtol=1e-5, atol=1e-5)
+    assert explicit_probs.shape == (2, 2, 40)
