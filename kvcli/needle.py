@@ -23,7 +23,11 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer with the number only."
 #: Starts the answer, as in the pass-key prompts of the long-context literature: without it a 135M
 #: chat model often chats instead of answering (3/10 against 9/10 with it, full attention, 1.5k tokens).
-ANSWER_PREFIX = "The pass key is"
+#: The trailing space matters: tokenizers write the space before a number as a token of its own, so the
+#: prompt then ends exactly where the key starts in the needle ("is", " ", digits) and the model copies
+#: it; without the space it often goes on "is a very fine piece of work" (full attention, 6k tokens,
+#: Tale of Two Cities and Pride and Prejudice: 16/20 without the space, 20/20 with it).
+ANSWER_PREFIX = "The pass key is "
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 DEFAULT_LENGTHS = (6000,)
 
