@@ -258,3 +258,16 @@ def test_pass_key_from_a_real_book_excerpt(smollm, books, one_thread):
     assert gen.one_shot and gen.prompt_tokens > 1500
     assert gen.max_cache_tokens <= (512 if method != "full" else gen.prompt_tokens + 8)
     assert "73691" in gen.text, gen.text
+
+
+def test_answer_prefix_ends_where_the_key_starts_in_the_needle(smollm):
+    """The pass-key prompt ends with the same tokens that precede the key in the needle ("is", " "),
+    so the model's next token is the key's first digit when it finds the needle (see needle.ANSWER_PREFIX)."""
+    from kvcli.needle import ANSWER_PREFIX, QUESTION
+
+    tokenizer = smollm.tokenizer
+    needle = encode(tokenizer, NEEDLE.format(key="60494"))
+    starts = [i for i in range(len(needle)) if tokenizer.decode(needle[i:]).startswith("60494")]
+    assert starts, "the key must start a token of the needle"
+    suffix = build_prompt(tokenizer, question_instruction(QUESTION, ANSWER_PREFIX)).suffix
+    assert suffix[-2:] == needle[starts[0] - 2:starts[0]]
