@@ -10,6 +10,11 @@ prints, for the same token stream, model and dtype:
 * ``hf-sliding``: Hugging Face's documented sliding-window perplexity (window = cache, stride = cache/2);
 * ``plain-forward``: when the tokens fit the model's trained context, the perplexity of one plain forward
   pass over all of them, next to the engine's (with ``--method full`` the two must agree).
+
+    python -m kvcli.benchmarks --attention
+
+times one layer's attention instead (no model, no book): kvcli's explicit path against SDPA plus the
+observation window, for the shapes that decide ``attention.CAUSAL_KERNEL_FROM``.
 """
 
 from __future__ import annotations
@@ -89,9 +94,48 @@ def plain_forward_ppl(model, ids: torch.Tensor) -> float:
         model.set_attn_implementation("kvcli")
 
 
+def _seconds_per_call(call, *args, repeats: int) -> float:
+    call(*args)  # warm-up
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call(*args)
+    return (time.perf_counter() - started) / repeats
+
+
+def _sdpa_and_window(query, key, value, mask, scaling: float, window: int) -> None:
+    """What kvcli runs instead of the explicit path: SDPA (causal kernel when nothing is cached, the
+    block-causal mask otherwise) plus the observation window's probabilities on the side."""
+    from kvcli.attention import window_attention
+
+    F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None, scale=scaling,
+                                   enable_gqa=True)
+    window_attention(query, key, scaling, window)
+
+
+def attention_timings(shapes=((256, 1024), (512, 1024), (256, 0), (1024, 0), (2048, 0), (6000, 0)), heads: int = 9,
+                      kv_heads: int = 3, head_dim: int = 64, window: int = 32, repeats: int = 3) -> list[dict]:
+    """Seconds per call of one layer's attention for ``(queries, cached keys)`` shapes, bf16, default-model heads."""
+    from kvcli.attention import block_causal_mask, explicit_attention
+
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    scaling = head_dim ** -0.5
+    for queries, cached in shapes:
+        keys = queries + cached
+        q = torch.randn(1, heads, queries, head_dim, generator=generator).bfloat16()
+        k = torch.randn(1, kv_heads, keys, head_dim, generator=generator).bfloat16()
+        v = torch.randn(1, kv_heads, keys, head_dim, generator=generator).bfloat16()
+        mask = None if cached == 0 else block_causal_mask(queries, keys, q.device)
+        rows.append({"queries": queries, "cached": cached,
+                     "explicit": _seconds_per_call(explicit_attention, q, k, v, scaling, window, repeats=repeats),
+                     "sdpa": _seconds_per_call(_sdpa_and_window, q, k, v, mask, scaling, window, repeats=repeats)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source")
+    parser.add_argument("source", nargs="?")
+    parser.add_argument("--attention", action="store_true", help="time one layer's attention paths and exit")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", default="streamingllm")
     parser.add_argument("--tokens", type=int, default=32768)
@@ -100,6 +144,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--skip", default="", help="comma-separated: plain-blocks,hf-sliding,plain-forward")
     args = parser.parse_args()
+    if args.attention:
+        print(f"one layer's attention, bf16, {torch.get_num_threads()} threads")
+        for row in attention_timings():
+            print(f"queries {row['queries']:>5} cached {row['cached']:>5}  explicit {row['explicit'] * 1e3:8.2f} ms  "
+                  f"sdpa {row['sdpa'] * 1e3:8.2f} ms")
+        return
+    if args.source is None:
+        parser.error("give a SOURCE (or --attention)")
 
     loaded = load_model(args.model, dtype=args.dtype)
     ids = torch.tensor(first_tokens(args.source, loaded.tokenizer, args.tokens + 1))
