@@ -7,7 +7,10 @@ Why it looks like this:
   choice of tokens (SnapKV-style per-head selection); within a layer the heads keep equally many.
 * Positions are re-assigned after every eviction (StreamingLLM, TreeKV section 4.1): the cached
   tokens of a layer sit at consecutive positions that end right before the next block, so a
-  stream of millions of tokens never leaves the model's trained positions.
+  stream of millions of tokens never leaves the model's trained positions. A prompt read in one
+  shot within the trained context can instead keep every token where it entered
+  (``KVCache.keep_positions``), as SnapKV, PyramidKV, H2O and TOVA do: compacting a kept key's
+  neighbours together breaks the model's copying of it (see docs/methods.md).
 * Keys are stored as they were rotated when they entered (RoPE at their entry position) and are
   rotated by the difference to their current position each time they are read. Rotating the
   stored copy in place after every eviction would round a long-lived key once per move in bf16;
@@ -127,8 +130,8 @@ class CompressedLayer(CacheLayerMixin):
     def current_keys(self, block_start: int) -> torch.Tensor:
         """Cached keys rotated to their current positions (a no-op until an eviction moves them)."""
         length = self.get_seq_length()
-        if length == 0 or (not self.moved and block_start == length):
-            return self.keys  # never evicted: every key still sits where it entered
+        if length == 0 or self.owner.keep_positions or (not self.moved and block_start == length):
+            return self.keys  # every key still sits where it entered
         delta = self.current_positions(block_start)[None, :] - self.entry_pos
         return rotate_keys(self.keys, delta, self.owner.inv_freq)
 
@@ -163,6 +166,7 @@ class KVCache(Cache):
         self.stream_start = 0
         self.score_window = 0  # how many of a forward's last queries record their attention
         self.probing = False
+        self.keep_positions = False  # True: no re-assignment, a token's position is its index in the stream
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> KVCache:
@@ -170,7 +174,10 @@ class KVCache(Cache):
         return cls(model.config.num_hidden_layers, rotary.inv_freq.detach().clone())
 
     def next_position(self) -> int:
-        """The position of the next token: every layer's cache ends right before it."""
+        """The position of the next token: every layer's cache ends right before it (or, with
+        ``keep_positions``, its index in the stream)."""
+        if self.keep_positions:
+            return self.stream_start
         return max(layer.get_seq_length() for layer in self.layers)
 
     def lengths(self) -> list[int]:

@@ -113,9 +113,9 @@ class Engine:
         n = ids.shape[1]
         cache.score_window = self.method.score_window(n) if compress and self.budgets else 0
         hidden = self._run(cache, ids, store=True)
+        cache.stream_start += n  # before the probe, whose queries come after the block
         if probe is not None and cache.score_window:
             self._run(cache, probe, store=False)
-        cache.stream_start += n
         if compress and self.budgets:
             self.compress(cache, n, decoding)
         for layer in cache.layers:

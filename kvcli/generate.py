@@ -4,7 +4,8 @@ The pipeline behind ``kvcli summarize`` and ``kvcli ask`` (and the pass-key grid
 
 * **read**: the prompt is ``prefix + document + suffix`` (see :func:`build_prompt`). A prompt that
   fits the model's context in one affordable forward is prefilled in one shot, so that the end of
-  the prompt (the question) is the observation window of the compression, as in SnapKV. A longer
+  the prompt (the question) is the observation window of the compression, as in SnapKV; kept
+  tokens then stay at their positions if the method's paper keeps them (SnapKV, PyramidKV). A longer
   document is streamed in blocks, the cache compressed after each one, and the suffix is passed as a
   *probe* on every block: its queries join the observation window without entering the cache, so
   the method keeps what the question looks at (query-aware compression). The last block carries
@@ -295,6 +296,8 @@ class Reader:
                 break
         if exhausted:
             result.one_shot = True
+            # Within the context, methods whose papers keep positions do so (see KVCache.keep_positions).
+            cache.keep_positions = self.engine.method.keeps_positions
             ids = buffered + suffix
             result.prompt_tokens = len(ids)
             result.document_tokens = len(ids) - len(parts.prefix) - len(suffix)

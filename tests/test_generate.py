@@ -10,6 +10,7 @@ from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.generate import (
     TEMPLATES,
+    Generation,
     Instruction,
     PromptParts,
     Reader,
@@ -186,6 +187,39 @@ def test_one_shot_is_chosen_when_the_prompt_fits(model):
         if expect_one_shot:
             assert len(calls) == 1 and calls[0]["ids"] == prefix + doc + suffix and calls[0]["probe"] is None
             assert gen.max_cache_tokens == 32
+
+
+@pytest.mark.parametrize("name,keeps", [("snapkv", True), ("streamingllm", False)])
+def test_one_shot_read_keeps_positions_for_methods_whose_papers_do(model, name, keeps):
+    """After a one-shot read, SnapKV's kept keys stay at their stream positions and the next token comes
+    at the prompt's length: the same logits as a stock forward against a cache holding exactly those keys
+    unmoved. StreamingLLM (re-assigned positions) puts the next token right after its cache instead."""
+    from transformers import DynamicCache
+
+    prefix, doc, suffix = ids_of(3, 1), ids_of(70, 5), ids_of(6, 2)
+    engine = Engine(model, make_method(name), 32, block=16)
+    reader = Reader(engine, CharTokenizer())
+    cache = engine.new_cache()
+    gen = Generation()
+    reader.read(cache, PromptParts(prefix, suffix, chat=False), [doc], gen, one_shot=True)
+    assert gen.one_shot and cache.keep_positions is keeps and max(cache.lengths()) == 32
+    assert cache.next_position() == (79 if keeps else 32)
+    if not keeps:
+        return
+    for layer in cache.layers:
+        assert torch.equal(layer.entry_pos, layer.token_idx)  # every kept key sits where it entered
+    reference = DynamicCache(config=model.config)
+    for idx, layer in enumerate(cache.layers):
+        reference.update(layer.keys.clone(), layer.values.clone(), idx)
+    token = torch.tensor([[17]])
+    hidden = engine.forward(cache, token, decoding=True)
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=token, position_ids=torch.tensor([[79]]), past_key_values=reference).logits[0]
+    finally:
+        model.set_attn_implementation("kvcli")
+    torch.testing.assert_close(engine.logits(hidden), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_sampling_is_seeded(model):

@@ -30,6 +30,9 @@ class Method:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    #: The paper keeps every token at the position it entered with (no re-assignment) when a prompt
+    #: fits the model's context; kvcli then does so for a prompt read in one shot (``kvcli ask``).
+    keeps_positions: ClassVar[bool] = False
 
     def score_window(self, block_len: int) -> int:
         """How many of a forward's last queries must record their attention (0: none needed)."""

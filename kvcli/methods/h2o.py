@@ -23,6 +23,7 @@ STATE = "h2o"
 @dataclass
 class H2O(Method):
     name = "h2o"
+    keeps_positions = True
     description = ("Heavy hitters: keep the tokens with the largest attention accumulated over every "
                    "query so far (per KV head), plus sinks and the recent window.")
     sinks: int = param(4, "initial tokens always kept (attention sinks)")

@@ -72,6 +72,7 @@ def window_weight(window: int, gamma: float) -> float:
 @dataclass
 class PyramidInfer(Method):
     name = "pyramidinfer"
+    keeps_positions = True
     description = ("Keep the tokens the recent queries attend to most (recency-weighted): a fraction "
                    "p * decay**l of the stream in layer l (at least min_len), under budgets decaying "
                    "geometrically with depth.")

@@ -87,6 +87,7 @@ def snap_select(view: LayerView, budget: int, sinks: int, recent: int, window: i
 @dataclass
 class SnapKV(Method):
     name = "snapkv"
+    keeps_positions = True
     description = ("Keep the tokens the last `window` queries attend to most (pooled over `kernel` "
                    "neighbours, per KV head) plus the window itself.")
     window: int = param(32, "observation window: how many of a block's last queries score the cache")

@@ -22,6 +22,7 @@ from kvcli.methods.registry import register
 @dataclass
 class TOVA(Method):
     name = "tova"
+    keeps_positions = True
     description = ("Keep the tokens the last query attends to most, averaged over all heads of the layer "
                    "(one choice per layer), plus sinks and the recent window.")
     sinks: int = param(4, "initial tokens always kept (0 with recent=0: the original TOVA)")
