@@ -9,7 +9,7 @@ Why it looks like this:
   tokens of a layer sit at consecutive positions that end right before the next block, so a
   stream of millions of tokens never leaves the model's trained positions. A prompt read in one
   shot within the trained context can instead keep every token where it entered
-  (``KVCache.keep_positions``), as SnapKV, PyramidKV, H2O and TOVA do: compacting a kept key's
+  (``KVCache.keep_positions``), as SnapKV, PyramidKV, H2O, TOVA and PyramidInfer do: compacting a kept key's
   neighbours together breaks the model's copying of it (see docs/methods.md).
 * Keys are stored as they were rotated when they entered (RoPE at their entry position) and are
   rotated by the difference to their current position each time they are read. Rotating the

@@ -5,7 +5,7 @@ The pipeline behind ``kvcli summarize`` and ``kvcli ask`` (and the pass-key grid
 * **read**: the prompt is ``prefix + document + suffix`` (see :func:`build_prompt`). A prompt that
   fits the model's context in one affordable forward is prefilled in one shot, so that the end of
   the prompt (the question) is the observation window of the compression, as in SnapKV; kept
-  tokens then stay at their positions if the method's paper keeps them (SnapKV, PyramidKV). A longer
+  tokens then stay at their positions if the method's paper keeps them (``Method.keeps_positions``). A longer
   document is streamed in blocks, the cache compressed after each one, and the suffix is passed as a
   *probe* on every block: its queries join the observation window without entering the cache, so
   the method keeps what the question looks at (query-aware compression). The last block carries
