@@ -76,6 +76,26 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return output, tail
 
 
+def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                   scaling: float, window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``scaled_dot_product_attention`` for the output, the window's probabilities computed on the side.
+
+    Without a mask, a prefill into an empty cache (as many keys as queries) takes SDPA's causal
+    kernel, which never materialises the ``n x n`` probabilities; a block against a cache gets the
+    block-causal mask.
+    """
+    q_len, k_len = query.shape[2], key.shape[2]
+    mask = attention_mask
+    if mask is None and q_len > 1 and q_len != k_len:
+        mask = block_causal_mask(q_len, k_len, query.device)
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    probs = window_attention(query, key, scaling, window) if window > 0 else None
+    return output, probs
+
+
 def kvcli_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -91,18 +111,11 @@ def kvcli_attention(
         scaling = query.shape[-1] ** -0.5
     cache: KVCache | None = kwargs.get("kvcli_cache")
     window = cache.score_window if cache is not None else 0
-    causal = attention_mask is None and q_len == k_len and q_len > 1  # a prefill into an empty cache
-    if query.device.type == "cpu" and attention_mask is None and not (causal and q_len >= CAUSAL_KERNEL_FROM):
+    long_prefill = attention_mask is None and q_len == k_len and q_len >= CAUSAL_KERNEL_FROM
+    if query.device.type == "cpu" and attention_mask is None and not long_prefill:
         output, probs = explicit_attention(query, key, value, scaling, window)
     else:
-        mask = attention_mask
-        if mask is None and q_len > 1 and not causal:
-            mask = block_causal_mask(q_len, k_len, query.device)
-        output = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, is_causal=causal and mask is None, scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )
-        probs = window_attention(query, key, scaling, window) if window > 0 else None
+        output, probs = sdpa_attention(query, key, value, attention_mask, scaling, window)
     if probs is not None:
         layer = cache.layers[module.layer_idx]
         window = min(window, q_len)

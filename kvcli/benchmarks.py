@@ -102,20 +102,11 @@ def _seconds_per_call(call, *args, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def _sdpa_and_window(query, key, value, mask, scaling: float, window: int) -> None:
-    """What kvcli runs instead of the explicit path: SDPA (causal kernel when nothing is cached, the
-    block-causal mask otherwise) plus the observation window's probabilities on the side."""
-    from kvcli.attention import window_attention
-
-    F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None, scale=scaling,
-                                   enable_gqa=True)
-    window_attention(query, key, scaling, window)
-
-
 def attention_timings(shapes=((256, 1024), (512, 1024), (256, 0), (1024, 0), (2048, 0), (6000, 0)), heads: int = 9,
                       kv_heads: int = 3, head_dim: int = 64, window: int = 32, repeats: int = 3) -> list[dict]:
-    """Seconds per call of one layer's attention for ``(queries, cached keys)`` shapes, bf16, default-model heads."""
-    from kvcli.attention import block_causal_mask, explicit_attention
+    """Seconds per call of one layer's attention for ``(queries, cached keys)`` shapes, bf16, default-model heads:
+    kvcli's explicit path against :func:`kvcli.attention.sdpa_attention` (both also return the window)."""
+    from kvcli.attention import explicit_attention, sdpa_attention
 
     rows = []
     generator = torch.Generator().manual_seed(0)
@@ -125,10 +116,9 @@ def attention_timings(shapes=((256, 1024), (512, 1024), (256, 0), (1024, 0), (20
         q = torch.randn(1, heads, queries, head_dim, generator=generator).bfloat16()
         k = torch.randn(1, kv_heads, keys, head_dim, generator=generator).bfloat16()
         v = torch.randn(1, kv_heads, keys, head_dim, generator=generator).bfloat16()
-        mask = None if cached == 0 else block_causal_mask(queries, keys, q.device)
         rows.append({"queries": queries, "cached": cached,
                      "explicit": _seconds_per_call(explicit_attention, q, k, v, scaling, window, repeats=repeats),
-                     "sdpa": _seconds_per_call(_sdpa_and_window, q, k, v, mask, scaling, window, repeats=repeats)})
+                     "sdpa": _seconds_per_call(sdpa_attention, q, k, v, None, scaling, window, repeats=repeats)})
     return rows
 
 
