@@ -3,8 +3,9 @@
 It does two things the stock SDPA path cannot: it builds the block-causal mask of a block of
 queries against a compressed cache whose length has nothing to do with positions, and it records
 the attention that the last few queries pay to every cached key, which is what SnapKV, H2O,
-TOVA, TreeKV and PyramidInfer score tokens with. The output itself always comes from
-``scaled_dot_product_attention``; only the small observation window is materialised.
+TOVA, TreeKV and PyramidInfer score tokens with. On the CPU a block against the cache goes through
+:func:`explicit_attention` (bf16 matmuls, faster here, probabilities for free); a long prefill and
+every GPU call go through :func:`sdpa_attention`, which materialises only the observation window.
 """
 
 from __future__ import annotations
