@@ -26,10 +26,10 @@ from kvcli.engine import BlockStats, Engine, StreamTotals
 from kvcli.errors import KvcliError, UsageError
 from kvcli.methods import METHODS, Method, make_method
 from kvcli.models import LoadedModel
-from kvcli.perplexity import PerplexityRun, read_stream
+from kvcli.perplexity import PerplexityRun
 from kvcli.plots import pyplot, save_figure
 from kvcli.report import clean_json, dumps, peak_memory_bytes, reset_peak_memory
-from kvcli.text import Document
+from kvcli.text import Document, first_tokens
 
 RESULTS_FILE = "results.json"
 PPL_PLOT = "ppl_vs_cache.png"
@@ -65,7 +65,7 @@ def source_name(source: str) -> str:
 def read_token_stream(documents: Iterable[Document], tokenizer, source: str,
                       max_tokens: int | None = DEFAULT_MAX_TOKENS) -> TokenStream:
     """The first ``max_tokens`` scored tokens of ``documents`` as one stream (plus the unscored first token)."""
-    ids, num_bytes = read_stream(documents, tokenizer, None if max_tokens is None else max_tokens + 1)
+    ids, num_bytes = first_tokens(documents, tokenizer, None if max_tokens is None else max_tokens + 1)
     if len(ids) < 2:
         raise KvcliError(f"{source}: fewer than two tokens, nothing to score")
     return TokenStream(torch.tensor(ids, dtype=torch.long), num_bytes, source_name(source))

@@ -29,13 +29,7 @@ import torch.nn.functional as F
 from kvcli.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models import load_model
-from kvcli.perplexity import read_stream
-from kvcli.text import open_source
-
-
-def first_tokens(source: str, tokenizer, count: int) -> list[int]:
-    """The first ``count`` tokens of a source's documents, read as one stream."""
-    return read_stream(open_source(source), tokenizer, count)[0]
+from kvcli.text import first_tokens, open_source
 
 
 def plain_blocks(model, ids: torch.Tensor, block: int, cache: int) -> float:
@@ -144,7 +138,7 @@ def main() -> None:
         parser.error("give a SOURCE (or --attention)")
 
     loaded = load_model(args.model, dtype=args.dtype)
-    ids = torch.tensor(first_tokens(args.source, loaded.tokenizer, args.tokens + 1))
+    ids = torch.tensor(first_tokens(open_source(args.source), loaded.tokenizer, args.tokens + 1)[0])
     print(f"model {args.model} ({loaded.dtype}, {torch.get_num_threads()} threads), {ids.shape[0] - 1} tokens, "
           f"cache {args.cache}, block {args.block}")
     engine = Engine(loaded.model, make_method(args.method), args.cache, block=args.block)

@@ -401,14 +401,9 @@ def _chain(first: Iterable[list[int]], rest: Iterator[list[int]]) -> Iterator[li
 
 
 def document_tokens(documents, tokenizer, separator: str = "\n\n") -> Iterator[list[int]]:
-    """Token ids of one or more :class:`kvcli.text.Document` as one stream, without BOS/EOS (the
+    """Token ids of one or more :class:`kvcli.text.Document` as one text, without BOS/EOS (the
     prompt's prefix carries them), documents joined by ``separator``."""
-    from kvcli.text import iter_tokens
+    from kvcli.text import token_stream
 
-    joint = encode(tokenizer, separator)
-    for index, doc in enumerate(documents):
-        if index and joint:
-            yield list(joint)
-        for chunk in iter_tokens(doc, tokenizer, add_special_tokens=False):
-            if chunk.ids:
-                yield chunk.ids
+    for chunk in token_stream(documents, tokenizer, special_tokens=False, separator=separator):
+        yield chunk.ids

@@ -173,12 +173,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
 
 
 def book_tokens(documents, tokenizer, limit: int | None = None) -> list[int]:
-    """The first ``limit`` tokens of ``documents`` read as one stream (all of them when None)."""
-    from kvcli.generate import document_tokens
+    """The first ``limit`` tokens of ``documents`` read as one text (all of them when None)."""
+    from kvcli.text import first_tokens
 
-    ids: list[int] = []
-    for chunk in document_tokens(documents, tokenizer):
-        ids.extend(chunk)
-        if limit is not None and len(ids) >= limit:
-            return ids[:limit]
-    return ids
+    return first_tokens(documents, tokenizer, limit, special_tokens=False, separator="\n\n")[0]

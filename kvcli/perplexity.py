@@ -7,9 +7,8 @@ sliding-window protocol (``context``/``stride``, TreeKV Table 1).
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -17,48 +16,7 @@ import torch
 from kvcli.engine import BlockStats, Engine, StreamTotals, kv_bytes_per_token
 from kvcli.models import LoadedModel
 from kvcli.report import peak_memory_bytes, reset_peak_memory
-from kvcli.text import Document, TokenChunk, iter_tokens
-
-
-class TokenFeed:
-    """Token ids of a document stream, cut at ``limit`` tokens, counting the UTF-8 bytes they cover."""
-
-    def __init__(self, chunks: Iterable[TokenChunk], tokenizer, limit: int | None):
-        self.chunks = chunks
-        self.tokenizer = tokenizer
-        self.limit = limit
-        self.tokens = 0
-        self.num_bytes = 0
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for chunk in self.chunks:
-            ids = chunk.ids
-            if self.limit is not None and self.tokens + len(ids) >= self.limit:
-                ids = ids[: self.limit - self.tokens]
-                self.num_bytes += len(self.tokenizer.decode(ids).encode("utf-8")) if ids else 0
-                self.tokens += len(ids)
-                if ids:
-                    yield ids
-                return
-            self.num_bytes += chunk.num_bytes
-            self.tokens += len(ids)
-            yield ids
-
-
-def stream_chunks(documents: Iterable[Document], tokenizer) -> Iterator[TokenChunk]:
-    """The documents' tokens one document after another: all of them read as one stream (``--stream``)."""
-    return itertools.chain.from_iterable(iter_tokens(doc, tokenizer) for doc in documents)
-
-
-def read_stream(documents: Iterable[Document], tokenizer, limit: int | None) -> tuple[list[int], int]:
-    """The first ``limit`` tokens of ``documents`` read as one stream, and the UTF-8 bytes they stand for.
-
-    For scoring the same tokens many times (``kvcli bench``, the benchmark script): tokenize once, keep
-    the ids. The ids are exactly those ``evaluate(..., stream=True)`` feeds the engine under the same limit.
-    """
-    feed = TokenFeed(stream_chunks(documents, tokenizer), tokenizer, limit)
-    ids = [token for chunk in feed for token in chunk]
-    return ids, feed.num_bytes
+from kvcli.text import Document, TokenChunk, TokenFeed, iter_tokens, token_stream
 
 
 @dataclass
@@ -123,7 +81,7 @@ def evaluate(
     overall = StreamTotals()
     rows: list[dict] = []
     if stream:
-        overall = run(stream_chunks(documents, tokenizer), None if max_tokens is None else max_tokens + 1)
+        overall = run(token_stream(documents, tokenizer), None if max_tokens is None else max_tokens + 1)
     else:
         for doc in documents:
             remaining = None if max_tokens is None else max_tokens - overall.tokens

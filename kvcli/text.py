@@ -20,7 +20,7 @@ from __future__ import annotations
 import codecs
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -465,3 +465,64 @@ def _cut(tokenizer: Any, buffer: str, emitted: int, fallback: bool) -> tuple[lis
         if chosen is not None:
             return ids[first : chosen[0]], chosen[1], 0
     return None
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def token_stream(documents: Iterable[Document], tokenizer: Any, *, special_tokens: bool = True,
+                 separator: str | None = None) -> Iterator[TokenChunk]:
+    """The tokens of ``documents`` one after another: the one way kvcli turns documents into a stream.
+
+    ``special_tokens`` gives every document its own BOS/EOS (what perplexity scores); without them
+    and with a ``separator`` (``"\\n\\n"``) the documents read as one text inside a prompt whose
+    prefix carries the special tokens (``summarize``, ``ask``, ``needle``). Empty chunks are skipped.
+    """
+    joint = list(tokenizer(separator, add_special_tokens=False, verbose=False).input_ids) if separator else []
+    for index, doc in enumerate(documents):
+        if index and joint:
+            yield TokenChunk(list(joint), _utf8_len(separator))
+        for chunk in iter_tokens(doc, tokenizer, add_special_tokens=special_tokens):
+            if chunk.ids:
+                yield chunk
+
+
+class TokenFeed:
+    """Token ids of a chunk stream, cut after ``limit`` tokens, counting the UTF-8 bytes they cover.
+
+    Iterating yields lists of ids; ``tokens`` and ``num_bytes`` grow as it goes, so a stream that
+    is stopped early (Ctrl-C) still knows what it covered.
+    """
+
+    def __init__(self, chunks: Iterable[TokenChunk], tokenizer: Any, limit: int | None):
+        self.chunks = chunks
+        self.tokenizer = tokenizer
+        self.limit = limit
+        self.tokens = 0
+        self.num_bytes = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for chunk in self.chunks:
+            ids = chunk.ids
+            if self.limit is not None and self.tokens + len(ids) >= self.limit:
+                ids = ids[: self.limit - self.tokens]
+                self.num_bytes += _utf8_len(self.tokenizer.decode(ids)) if ids else 0
+                self.tokens += len(ids)
+                if ids:
+                    yield ids
+                return
+            self.num_bytes += chunk.num_bytes
+            self.tokens += len(ids)
+            yield ids
+
+
+def first_tokens(documents: Iterable[Document], tokenizer: Any, limit: int | None, **stream: Any
+                 ) -> tuple[list[int], int]:
+    """The first ``limit`` tokens of :func:`token_stream` (all when None) and the UTF-8 bytes they stand for.
+
+    For scoring or cutting the same tokens many times (``kvcli bench``, ``needle``, ``analyze``):
+    tokenize once, keep the ids. Takes :func:`token_stream`'s keyword arguments.
+    """
+    feed = TokenFeed(token_stream(documents, tokenizer, **stream), tokenizer, limit)
+    ids = [token for chunk in feed for token in chunk]
+    return ids, feed.num_bytes

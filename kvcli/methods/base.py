@@ -33,6 +33,8 @@ class Method:
     #: The paper keeps every token at the position it entered with (no re-assignment) when a prompt
     #: fits the model's context; kvcli then does so for a prompt read in one shot (``kvcli ask``).
     keeps_positions: ClassVar[bool] = False
+    #: The method never evicts, so it takes no budget and its cache grows with the stream (``full``).
+    unbounded: ClassVar[bool] = False
 
     def score_window(self, block_len: int) -> int:
         """How many of a forward's last queries must record their attention (0: none needed)."""

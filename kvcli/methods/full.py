@@ -12,4 +12,5 @@ from kvcli.methods.registry import register
 @dataclass
 class Full(Method):
     name = "full"
+    unbounded = True
     description = "No eviction: the cache grows with the stream (quality reference; memory is not bounded)."
