@@ -19,7 +19,8 @@ Why it looks like this:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -66,11 +67,14 @@ class CompressedLayer(CacheLayerMixin):
 
     def __init__(self, owner: KVCache, layer_idx: int):
         super().__init__()
-        self.owner = owner
+        # A weak reference: the cache owns its layers, so a finished run's cache (and its tensors) is
+        # freed as soon as the last reference to it goes, without waiting for the garbage collector.
+        self.owner = weakref.proxy(owner)
         self.layer_idx = layer_idx
         self.entry_pos: torch.Tensor | None = None  # [H, T] position each key was rotated at
         self.token_idx: torch.Tensor | None = None  # [H, T] index of the token in the stream
         self.state: dict[str, torch.Tensor] = {}  # method-owned per-token tensors [H, T]
+        self.method_state: dict[str, object] = {}  # method-owned values of the whole layer
         self.moved = False  # True once an eviction has shifted some kept key's position
         self.record: AttentionRecord | None = None
 
@@ -117,6 +121,7 @@ class CompressedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.entry_pos = self.token_idx = None
         self.state = {}
+        self.method_state = {}
         self.moved = False
         self.record = None
         self.is_initialized = False
@@ -194,7 +199,9 @@ class LayerView:
     ``num_new`` tokens were appended since the last compression; ``record`` holds the attention
     of the last ``record.window`` queries (None when the method asked for no scores). ``decoding``
     is set while a model writes after reading a prompt, for methods whose papers treat generation
-    differently from reading (SnapKV and PyramidKV compress the prompt once).
+    differently from reading (SnapKV and PyramidKV compress the prompt once). ``seen`` counts the
+    stream tokens read so far; ``mean_budget`` is the budget the layers' budgets average (None when
+    the caller gave the layer's budget alone).
     """
 
     layer_idx: int
@@ -203,7 +210,8 @@ class LayerView:
     num_new: int
     record: AttentionRecord | None
     decoding: bool = False
-    extras: dict = field(default_factory=dict)
+    seen: int = 0
+    mean_budget: int | None = None
 
     @property
     def length(self) -> int:
@@ -216,6 +224,11 @@ class LayerView:
     @property
     def token_idx(self) -> torch.Tensor:
         return self.layer.token_idx
+
+    @property
+    def method_state(self) -> dict[str, object]:
+        """The method's values for the whole layer (TreeKV's sweep index), reset with the layer."""
+        return self.layer.method_state
 
     def per_token(self, name: str, fill: float = 0.0) -> torch.Tensor:
         """A method's per-token state ``[H, T]``, padded with ``fill`` for the tokens that just arrived.

@@ -12,3 +12,18 @@ class KvcliError(Exception):
 
 class UsageError(KvcliError):
     """Bad arguments: the CLI exits with code 2, as Typer does for its own usage errors."""
+
+
+class BudgetError(UsageError):
+    """A budget too small for what a method always keeps.
+
+    The library speaks of a budget; the CLI, which knows which flag set it, names the flag (see
+    :meth:`for_flag`).
+    """
+
+    def __init__(self, budget: int, need: int, what: str):
+        self.budget, self.need, self.what = budget, need, what
+        super().__init__(f"a budget of {budget} tokens is smaller than {what} ({need})")
+
+    def for_flag(self, flag: str) -> str:
+        return f"{flag} {self.budget} is smaller than {self.what} ({self.need}): raise {flag} or lower them"

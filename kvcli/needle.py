@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvcli.engine import Engine
+from kvcli.engine import Engine, check_budget
 from kvcli.errors import UsageError
 from kvcli.generate import Reader, build_prompt, encode, question_instruction, stop_token_ids
 
@@ -113,7 +113,7 @@ def excerpt_offset(total: int, length: int, trial: int) -> int:
 
 def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
              lengths: Iterable[int] = DEFAULT_LENGTHS, depths: Iterable[float] = DEFAULT_DEPTHS, trials: int = 1,
-             cache: int = 1024, block: int = 256, seed: int = 0, max_new_tokens: int = 12,
+             budget: int = 1024, block: int = 256, seed: int = 0, max_new_tokens: int = 12,
              one_shot: bool | None = None, probe: bool = True, options: dict[str, dict] | None = None,
              answer_prefix: str = ANSWER_PREFIX, warn: Callable[[str], None] | None = None,
              on_trial: Callable[[Trial, int, int], None] | None = None) -> NeedleResult:
@@ -137,15 +137,13 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
         raise UsageError(f"the source has {len(tokens):,} tokens; --lengths {longest:,} needs a longer book")
     built = {}
     for name in methods:
-        method = make_method(name, (options or {}).get(name))
-        if name != "full":
-            method.validate(cache)
-        built[name] = method
+        built[name] = make_method(name, (options or {}).get(name))
+        check_budget(built[name], budget)
 
     parts = build_prompt(tokenizer, question_instruction(QUESTION, answer_prefix))
     stop_ids = stop_token_ids(tokenizer, model)
     params = {name: m.settings() for name, m in built.items()}
-    result = NeedleResult(settings={"cache": cache, "block": block, "seed": seed, "question": QUESTION,
+    result = NeedleResult(settings={"cache": budget, "block": block, "seed": seed, "question": QUESTION,
                                     "answer_prefix": answer_prefix, "needle": NEEDLE, "max_new_tokens": max_new_tokens,
                                     "probe": probe, "params": params})
     rng = random.Random(seed)
@@ -158,7 +156,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
                 key = str(rng.randint(10000, 99999))
                 doc = encode(tokenizer, haystack(tokenizer, tokens, length, depth, key, offset))
                 for name in methods:
-                    engine = Engine(model, built[name], None if name == "full" else cache, block=block, warn=warn)
+                    engine = Engine(model, built[name], budget, block=block, warn=warn)
                     reader = Reader(engine, tokenizer, stop_ids=stop_ids)
                     started = time.perf_counter()
                     gen = reader.run(parts, [doc], max_new_tokens, one_shot=one_shot, probe=probe)

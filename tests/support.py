@@ -33,7 +33,7 @@ def compress_step(cache: KVCache, method, budget: int, num_new: int, probs: list
     """Show ``method`` each layer with attention ``probs[layer]`` ``[H_kv, group, T]`` and apply its choice."""
     for idx, layer in enumerate(cache.layers):
         layer.record = AttentionRecord(probs[idx], window) if probs is not None else None
-        view = LayerView(idx, len(cache.layers), layer, num_new, layer.record)
+        view = LayerView(idx, len(cache.layers), layer, num_new, layer.record, seen=cache.stream_start)
         keep = method.compress(view, budget)
         if keep is not None:
             layer.keep(keep)

@@ -47,7 +47,9 @@ def drive(method, reference, budgets: list[int], window_of, steps=STEPS, kv_head
         for idx, layer in enumerate(cache.layers):
             probs = window_probs(gen, kv_heads, group, layer.get_seq_length(), n, window_of(n))
             layer.record = AttentionRecord(probs.sum(dim=2), probs.shape[2])
-            keep = method.compress(LayerView(idx, layers, layer, n, layer.record), budgets[idx])
+            view = LayerView(idx, layers, layer, n, layer.record, seen=cache.stream_start,
+                             mean_budget=sum(budgets) // layers)
+            keep = method.compress(view, budgets[idx])
             if keep is not None:
                 assert keep.shape[0] == kv_heads and keep.shape[1] <= budgets[idx]
                 layer.keep(keep)

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from kvcli.cache import LayerView
-from kvcli.errors import UsageError
+from kvcli.errors import BudgetError, UsageError
 
 
 def param(default, help: str, **kwargs):
@@ -40,12 +40,13 @@ class Method:
         """How many of a forward's last queries must record their attention (0: none needed)."""
         return 0
 
-    def layer_budgets(self, cache_size: int, num_layers: int) -> list[int]:
-        """Tokens each layer may keep; uniform unless the method allocates across layers."""
-        return [cache_size] * num_layers
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        """Tokens each layer may keep, averaging ``budget``; uniform unless the method allocates across layers."""
+        return [budget] * num_layers
 
-    def validate(self, cache_size: int) -> None:
-        """Raise :class:`UsageError` when ``cache_size`` cannot hold what the method always keeps."""
+    def validate(self, budget: int) -> None:
+        """Raise :class:`BudgetError` when ``budget`` cannot hold what the method always keeps, and
+        :class:`UsageError` for parameters out of range."""
 
     def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
         """Indices ``[H_kv, k]`` (ascending) of the tokens to keep, or None to keep all."""
@@ -64,6 +65,49 @@ class Method:
             out.append({"name": f.name, "default": default, "type": _type_name(f.type),
                         "help": f.metadata.get("help", "")})
         return out
+
+
+@dataclass
+class ScoredMethod(Method):
+    """A method that keeps the sinks, the recent window and the best-scoring other tokens (kvpress's
+    scorer presses): a subclass is its scoring rule, :meth:`score`, and nothing else.
+
+    :meth:`observe` runs after every forward, over budget or not, for methods whose scores
+    accumulate across blocks (H2O, PyramidInfer); :meth:`score` runs only when the layer must shrink.
+    The sinks and the recent window are always kept; ties go to the earlier token (:func:`select_top`).
+    Subclasses declare ``sinks`` and ``recent`` as parameters (their defaults differ by paper).
+    """
+
+    sinks: ClassVar[int]
+    recent: ClassVar[int | None]
+
+    def validate(self, budget: int) -> None:
+        check_split(budget, self.sinks, self.recent)
+
+    def kept_recent(self, view: LayerView, budget: int) -> int:
+        """The recent window, protected like the sinks."""
+        return Split.of(budget, self.sinks, self.recent).recent
+
+    def kept_count(self, view: LayerView, budget: int) -> int:
+        """How many tokens the layer keeps once it is over it: the budget, unless the method keeps fewer."""
+        return budget
+
+    def observe(self, view: LayerView) -> None:
+        """Fold this forward's attention into the layer's per-token state (nothing by default)."""
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        """Scores ``[H_kv, T]`` (or ``[1, T]`` for one choice per layer) of every cached token."""
+        raise NotImplementedError
+
+    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
+        self.observe(view)
+        length = view.length
+        count = self.kept_count(view, budget)
+        if length <= count:
+            return None
+        scores = self.score(view)
+        protected = recent_and_sinks(length, self.sinks, self.kept_recent(view, budget), scores.device)
+        return select_top(scores, protected, count).expand(view.num_heads, count)
 
 
 def _type_name(annotation) -> str:
@@ -99,9 +143,9 @@ def group_mean(probs: torch.Tensor) -> torch.Tensor:
     return probs.mean(dim=1)
 
 
-def check_budget(cache_size: int, always_kept: int, what: str) -> None:
-    if cache_size < always_kept:
-        raise UsageError(f"--cache {cache_size} is smaller than {what} ({always_kept}): raise --cache or lower them")
+def check_budget(budget: int, always_kept: int, what: str) -> None:
+    if budget < always_kept:
+        raise BudgetError(budget, always_kept, what)
 
 
 @dataclass
@@ -122,11 +166,11 @@ class Split:
         return cls(sinks, recent, budget - sinks - recent)
 
 
-def check_split(cache_size: int, sinks: int, recent: int | None) -> None:
+def check_split(budget: int, sinks: int, recent: int | None) -> None:
     """Raise :class:`UsageError` for negative sizes or a budget smaller than sinks + recent."""
     if sinks < 0 or (recent is not None and recent < 0):
         raise UsageError("sinks and recent must be >= 0")
     if recent is None:
-        check_budget(cache_size, sinks, "the sinks")
+        check_budget(budget, sinks, "the sinks")
     else:
-        check_budget(cache_size, sinks + recent, "sinks + recent")
+        check_budget(budget, sinks + recent, "sinks + recent")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcli.cache import LayerView
-from kvcli.methods.base import Method, Split, check_split, group_mean, param, recent_and_sinks, select_top
+from kvcli.methods.base import ScoredMethod, group_mean, param
 from kvcli.methods.registry import register
 
 STATE = "h2o"
@@ -21,7 +21,7 @@ STATE = "h2o"
 
 @register
 @dataclass
-class H2O(Method):
+class H2O(ScoredMethod):
     name = "h2o"
     keeps_positions = True
     description = ("Heavy hitters: keep the tokens with the largest attention accumulated over every "
@@ -32,19 +32,11 @@ class H2O(Method):
     def score_window(self, block_len: int) -> int:
         return block_len  # every query of the block adds to the accumulated scores
 
-    def validate(self, cache_size: int) -> None:
-        check_split(cache_size, self.sinks, self.recent)
-
-    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
-        length = view.length
-        scores = view.per_token(STATE)
+    def observe(self, view: LayerView) -> None:
         if view.record is not None:
             # Query heads of a GQA group share one cached token: their attention is averaged, so a
             # score is on the scale of a single head's (the sum would only rescale every token alike).
-            scores = scores + group_mean(view.record.probs)[:, :length]
-            view.set_per_token(STATE, scores)
-        if length <= budget:
-            return None
-        split = Split.of(budget, self.sinks, self.recent)
-        protected = recent_and_sinks(length, self.sinks, split.recent, scores.device)
-        return select_top(scores, protected, budget)
+            view.set_per_token(STATE, view.per_token(STATE) + group_mean(view.record.probs)[:, :view.length])
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return view.per_token(STATE)

@@ -47,7 +47,7 @@ import torch
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import Method, Split, check_split, group_mean, param, recent_and_sinks, select_top
+from kvcli.methods.base import ScoredMethod, Split, check_split, group_mean, param
 from kvcli.methods.pyramidkv import apportion
 from kvcli.methods.registry import register
 
@@ -70,7 +70,7 @@ def window_weight(window: int, gamma: float) -> float:
 
 @register
 @dataclass
-class PyramidInfer(Method):
+class PyramidInfer(ScoredMethod):
     name = "pyramidinfer"
     keeps_positions = True
     description = ("Keep the tokens the recent queries attend to most (recency-weighted): a fraction "
@@ -87,7 +87,7 @@ class PyramidInfer(Method):
     def score_window(self, block_len: int) -> int:
         return min(self.window, block_len)
 
-    def validate(self, cache_size: int) -> None:
+    def validate(self, budget: int) -> None:
         if self.window < 1:
             raise UsageError("window must be at least 1")
         for key in ("gamma", "p", "decay"):
@@ -96,13 +96,11 @@ class PyramidInfer(Method):
                 raise UsageError(f"{key} must be in (0, 1] (got {value})")
         if self.min_len < 0:
             raise UsageError("min_len must be >= 0")
-        check_split(cache_size, self.sinks, self.recent)
+        check_split(budget, self.sinks, self.recent)
 
-    def layer_budgets(self, cache_size: int, num_layers: int) -> list[int]:
-        self.validate(cache_size)
-        split = Split.of(cache_size, self.sinks, self.recent)
-        # The recent window is resolved from the average budget, not from each layer's: remembered here.
-        self._recent = split.recent
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        self.validate(budget)
+        split = Split.of(budget, self.sinks, self.recent)
         kept = split.sinks + split.recent
         return [kept + selected for selected in geometric_selected(split.selected, num_layers, self.decay)]
 
@@ -111,21 +109,21 @@ class PyramidInfer(Method):
         fraction = self.p * self.decay**layer_idx
         return max(self.min_len, math.ceil(fraction * max(seen - self.sinks - recent, 0)))
 
-    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
-        length = view.length
-        scores = view.per_token(STATE)
+    def kept_recent(self, view: LayerView, budget: int) -> int:
+        """Resolved from the average budget, not from the layer's: every layer keeps the same window."""
+        return Split.of(view.mean_budget or budget, self.sinks, self.recent).recent
+
+    def kept_count(self, view: LayerView, budget: int) -> int:
+        recent = self.kept_recent(view, budget)
+        selected = min(budget - self.sinks - recent, self.retention(view.layer_idx, view.seen, recent))
+        return min(view.length, self.sinks + recent) + selected
+
+    def observe(self, view: LayerView) -> None:
         record = view.record
         if record is not None:
-            fresh = group_mean(record.probs)[:, :length]
-            scores = scores * self.gamma**view.num_new + window_weight(record.window, self.gamma) * fresh
-            view.set_per_token(STATE, scores)
-        recent = getattr(self, "_recent", None)
-        if recent is None:  # layer_budgets not called: a uniform budget
-            recent = Split.of(budget, self.sinks, self.recent).recent
-        protected_count = min(length, self.sinks + recent)
-        seen = view.layer.owner.stream_start
-        selected = min(budget - self.sinks - recent, self.retention(view.layer_idx, seen, recent))
-        if selected >= length - protected_count:
-            return None
-        protected = recent_and_sinks(length, self.sinks, recent, scores.device)
-        return select_top(scores, protected, protected_count + selected)
+            fresh = group_mean(record.probs)[:, :view.length]
+            decayed = view.per_token(STATE) * self.gamma**view.num_new
+            view.set_per_token(STATE, decayed + window_weight(record.window, self.gamma) * fresh)
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        return view.per_token(STATE)

@@ -3,7 +3,7 @@ Funneling"): SnapKV's selection under per-layer budgets that shrink from the bot
 
 Budget allocation (section 4.2.1). Every layer keeps the last alpha tokens (``window``, the
 "instruction tokens"; here ``sinks`` + ``recent``, with ``recent`` defaulting to ``window``); what
-is left, ``S = cache_size - sinks - recent`` per layer on average, makes the total
+is left, ``S = budget - sinks - recent`` per layer on average, makes the total
 ``k_total = m * S`` over the ``m`` layers, spread as an arithmetic sequence::
 
     k^{m-1} = k_total / (beta * m)          = S / beta          (top layer)
@@ -14,7 +14,7 @@ so that ``sum_l k^l = m * (k^0 + k^{m-1}) / 2 = k_total``. The k^l are computed 
 arithmetic) and rounded by largest remainder (floors, then one more token to the layers with the
 largest fractional parts, ties to the lower layer): the rounded budgets still sum to exactly
 ``k_total``, stay within one token of the real values and never increase from bottom to top. Layer
-``l`` then holds ``sinks + recent + k^l`` tokens, so the budgets average exactly ``cache_size``
+``l`` then holds ``sinks + recent + k^l`` tokens, so the budgets average exactly ``budget``
 and every layer holds more than the window (``validate`` asks for ``S >= beta``, i.e. k^{m-1} >= 1).
 
 Selection (section 4.2.2) is SnapKV's, with the paper's alpha = 8 as the observation window.
@@ -66,14 +66,14 @@ class PyramidKV(SnapKV):
     window: int = param(8, "observation window alpha: the last queries that score the cache (paper: 8)")
     beta: float = param(20.0, "pyramid shape: the top layer selects (cache - sinks - recent) / beta tokens")
 
-    def validate(self, cache_size: int) -> None:
-        super().validate(cache_size)
+    def validate(self, budget: int) -> None:
+        super().validate(budget)
         if not self.beta >= 1:
             raise UsageError(f"beta must be >= 1 (got {self.beta}); beta = 1 gives uniform budgets")
-        check_budget(cache_size, self.sinks + self.kept_recent() + math.ceil(self.beta),
+        check_budget(budget, self.sinks + self.recent_tokens() + math.ceil(self.beta),
                      "sinks + recent + beta (the top layer selects (cache - sinks - recent) / beta tokens)")
 
-    def layer_budgets(self, cache_size: int, num_layers: int) -> list[int]:
-        self.validate(cache_size)
-        kept = self.sinks + self.kept_recent()
-        return [kept + selected for selected in pyramid_selected(cache_size - kept, num_layers, self.beta)]
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        self.validate(budget)
+        kept = self.sinks + self.recent_tokens()
+        return [kept + selected for selected in pyramid_selected(budget - kept, num_layers, self.beta)]

@@ -4,9 +4,6 @@ The last ``window`` queries of a block (the observation window) vote for the ear
 attention, summed over the window and averaged over the query heads of each KV head (GQA), is
 smoothed along the sequence by a 1D pooling of width ``kernel``, and each KV head keeps its own
 top-scoring tokens next to the window tokens themselves.
-
-This module also holds the selection helpers the other baselines share (H2O, TOVA, PyramidKV,
-PyramidInfer import them from here), so that ranking and tie-breaking are one piece of code.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import torch.nn.functional as F
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import Method, check_split, group_mean, param, recent_and_sinks, select_top
+from kvcli.methods.base import ScoredMethod, check_split, group_mean, param
 from kvcli.methods.registry import register
 
 
@@ -61,31 +58,9 @@ def slide_window(view: LayerView, sinks: int, recent: int) -> torch.Tensor:
     return (kept + (kept >= leaving).long()).expand(heads, length - 1)
 
 
-def snap_select(view: LayerView, budget: int, sinks: int, recent: int, window: int, kernel: int,
-                pooling: str) -> torch.Tensor | None:
-    """SnapKV's choice for one layer: sinks, the last ``recent`` tokens, and the pooled top-scoring rest.
-
-    The window keys (the last ``min(window, num_new)`` tokens, which only part of the window saw)
-    are left out of the pooling, as in SnapKV, and compete with their raw score if ``recent`` does
-    not cover them.
-    """
-    length = view.length
-    if length <= budget:
-        return None
-    if view.decoding and recent > 0 and length - budget == 1:
-        return slide_window(view, sinks, recent)
-    if view.record is None:
-        raise RuntimeError("snapkv-style selection needs the attention of the observation window")
-    scores = group_mean(view.record.probs)[:, :length]
-    prefix = length - min(window, view.num_new, length)
-    scores = torch.cat((pool_scores(scores[:, :prefix], kernel, pooling), scores[:, prefix:]), dim=1)
-    protected = recent_and_sinks(length, sinks, recent, scores.device)
-    return select_top(scores, protected, budget)
-
-
 @register
 @dataclass
-class SnapKV(Method):
+class SnapKV(ScoredMethod):
     name = "snapkv"
     keeps_positions = True
     description = ("Keep the tokens the last `window` queries attend to most (pooled over `kernel` "
@@ -96,16 +71,35 @@ class SnapKV(Method):
     sinks: int = param(0, "initial tokens always kept (the paper keeps none)")
     recent: int | None = param(None, "most recent tokens always kept (default: the window)")
 
-    def kept_recent(self) -> int:
+    def recent_tokens(self) -> int:
         return self.window if self.recent is None else self.recent
+
+    def kept_recent(self, view: LayerView, budget: int) -> int:
+        return self.recent_tokens()
 
     def score_window(self, block_len: int) -> int:
         return min(self.window, block_len)
 
-    def validate(self, cache_size: int) -> None:
+    def validate(self, budget: int) -> None:
         check_pooling(self.window, self.kernel, self.pooling)
-        check_split(cache_size, self.sinks, self.kept_recent())
+        check_split(budget, self.sinks, self.recent_tokens())
 
     def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
-        recent = self.kept_recent()
-        return snap_select(view, budget, self.sinks, recent, self.window, self.kernel, self.pooling)
+        recent = self.recent_tokens()
+        if view.decoding and recent > 0 and view.length - budget == 1:
+            return slide_window(view, self.sinks, recent)
+        return super().compress(view, budget)
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        """The window's attention, pooled over every key the whole window saw.
+
+        The window keys (the last ``min(window, num_new)`` tokens, which only part of the window saw)
+        are left out of the pooling, as in SnapKV, and compete with their raw score if ``recent`` does
+        not cover them.
+        """
+        if view.record is None:
+            raise RuntimeError("snapkv-style selection needs the attention of the observation window")
+        length = view.length
+        scores = group_mean(view.record.probs)[:, :length]
+        prefix = length - min(self.window, view.num_new, length)
+        return torch.cat((pool_scores(scores[:, :prefix], self.kernel, self.pooling), scores[:, prefix:]), dim=1)

@@ -18,8 +18,8 @@ class StreamingLLM(Method):
     description = "Keep the first `sinks` tokens (attention sinks) and the most recent ones; no scores needed."
     sinks: int = param(4, "initial tokens always kept (attention sinks)")
 
-    def validate(self, cache_size: int) -> None:
-        check_budget(cache_size, self.sinks + 1, "sinks + 1 recent token")
+    def validate(self, budget: int) -> None:
+        check_budget(budget, self.sinks + 1, "sinks + 1 recent token")
 
     def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
         length = view.length

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from kvcli.cache import LayerView
-from kvcli.methods.base import Method, Split, check_split, param, recent_and_sinks, select_top
+from kvcli.methods.base import ScoredMethod, param
 from kvcli.methods.registry import register
 
 
 @register
 @dataclass
-class TOVA(Method):
+class TOVA(ScoredMethod):
     name = "tova"
     keeps_positions = True
     description = ("Keep the tokens the last query attends to most, averaged over all heads of the layer "
@@ -31,17 +31,7 @@ class TOVA(Method):
     def score_window(self, block_len: int) -> int:
         return 1
 
-    def validate(self, cache_size: int) -> None:
-        check_split(cache_size, self.sinks, self.recent)
-
-    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
-        length = view.length
-        if length <= budget:
-            return None
+    def score(self, view: LayerView) -> torch.Tensor:
         if view.record is None:
             raise RuntimeError("tova needs the attention of the last query")
-        scores = view.record.probs[..., :length].mean(dim=(0, 1))  # every query head of the layer
-        split = Split.of(budget, self.sinks, self.recent)
-        protected = recent_and_sinks(length, self.sinks, split.recent, scores.device)
-        keep = select_top(scores[None, :], protected, budget)
-        return keep.expand(view.num_heads, keep.shape[1])
+        return view.record.probs[..., :view.length].mean(dim=(0, 1))[None, :]  # every query head of the layer

@@ -29,7 +29,7 @@ from kvcli.methods.registry import register
 AUTO_TREE_BLOCK = 16  # unit of block-level eviction when tree_block=0 and a call prefills an empty cache
 SCORE = "treekv_s"  # accumulated attention S, per token (gathered with K/V by the cache)
 COUNT = "treekv_c"  # how many recorded queries saw each token, C
-IDX = "treekv_idx"  # attribute on the CompressedLayer: 0-based start of the eviction scope, in tokens
+IDX = "treekv_idx"  # in the layer's method state: 0-based start of the eviction scope, in tokens
 
 
 def pair_rule(scores: torch.Tensor, capacity: int, steps: int, start: int) -> tuple[torch.Tensor, int]:
@@ -89,7 +89,7 @@ class TreeKV(Method):
     def score_window(self, block_len: int) -> int:
         return min(self.window, block_len)
 
-    def validate(self, cache_size: int) -> None:
+    def validate(self, budget: int) -> None:
         if self.sinks < 0 or (self.recent is not None and self.recent < 0) or self.tree_block < 0:
             raise UsageError("treekv: sinks, recent and tree_block must not be negative")
         if self.window < 1:
@@ -97,14 +97,14 @@ class TreeKV(Method):
         need = max(1, self.tree_block)
         what = f"sinks ({self.sinks}) + recent + {need} selected token{'s' if need > 1 else ''}"
         if self.recent is None:  # selected = ceil((cache - sinks) / 2) must reach `need`
-            check_budget(cache_size, self.sinks + 2 * need - 1, what + " (recent = auto)")
+            check_budget(budget, self.sinks + 2 * need - 1, what + " (recent = auto)")
         else:
-            check_budget(cache_size, self.sinks + self.recent + need, what)
+            check_budget(budget, self.sinks + self.recent + need, what)
 
     def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
         layer = view.layer
         if SCORE not in layer.state:  # a fresh (or reset) layer: the eviction scope starts at the left
-            setattr(layer, IDX, 0)
+            view.method_state[IDX] = 0
         scores, counts = self._accumulate(view)
         length = view.length
         if length <= budget:
@@ -119,12 +119,12 @@ class TreeKV(Method):
         if unit > split.selected:
             unit = 1
         units, rest = divmod(excess, unit) if unit > 1 else (0, excess)
-        idx = getattr(layer, IDX, 0) % split.selected
+        idx = view.method_state.get(IDX, 0) % split.selected
         if units == 0 and rest == 1:  # decoding: one comparison, cheaper than a sweep
             pair = torch.arange(lo + idx, lo + idx + 2, device=device)
             importance = scores[:, pair] / counts[:, pair].clamp_min(1.0)
             gone = pair[0] + (importance[:, :1] > importance[:, 1:]).long()  # [H, 1] cache index
-            setattr(layer, IDX, (idx + 1) % split.selected)
+            view.method_state[IDX] = (idx + 1) % split.selected
             kept = torch.arange(length - 1, device=device).expand(heads, length - 1)
             return kept + (kept >= gone).long()
         importance = scores[:, lo:hi] / counts[:, lo:hi].clamp_min(1.0)  # S / C (Algorithm 1, line 10)
@@ -141,7 +141,7 @@ class TreeKV(Method):
         if rest:
             gone, idx = pair_rule(importance.gather(1, region), split.selected, rest, idx)
             region = remove(region, gone)
-        setattr(layer, IDX, idx)
+        view.method_state[IDX] = idx
         sinks = torch.arange(lo, device=device).expand(heads, lo)
         recent = torch.arange(hi, length, device=device).expand(heads, length - hi)
         return torch.cat((sinks, region + lo, recent), dim=1)
