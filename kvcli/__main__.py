@@ -1,3 +1,3 @@
-from kvcli.cli import main
+from kvcli.cli.app import main
 
 main()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 stderr_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -84,21 +85,40 @@ def dumps(value) -> str:
     return json.dumps(clean_json(value), ensure_ascii=False)
 
 
-def print_result(text: str) -> None:
-    """Write a result to stdout; a reader that went away (``| head``) ends the program quietly."""
+def write_stdout(text: str) -> None:
+    """Write to stdout now; a reader that went away (``| head``) ends the program quietly with exit 0.
+
+    stdout is then pointed at /dev/null, so that the interpreter's flush at exit is silent too.
+    """
     try:
-        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.write(text)
         sys.stdout.flush()
     except BrokenPipeError:
-        _silence_stdout()
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
         raise SystemExit(0) from None
 
 
-def _silence_stdout() -> None:
-    import os
+def print_result(text: str) -> None:
+    """A whole result on stdout, ending with one newline."""
+    write_stdout(text if text.endswith("\n") else text + "\n")
 
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+
+class StdoutStream:
+    """Generated text to stdout piece by piece, as it is produced."""
+
+    def __init__(self):
+        self.wrote = ""
+
+    def write(self, text: str) -> None:
+        write_stdout(text)
+        self.wrote += text
+
+    def end(self) -> None:
+        if not self.wrote.endswith("\n"):
+            self.write("\n")
 
 
 class StreamProgress:
@@ -130,3 +150,26 @@ class StreamProgress:
     def running(self) -> Iterator[StreamProgress]:
         with self.progress:
             yield self
+
+
+class ReadProgress:
+    """A transient line on stderr while a document is read (only when stderr is a terminal)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                 console=stderr_console, transient=True, disable=not self.enabled)
+        self.task = self.progress.add_task("reading")
+
+    def update(self, read: int, cache_tokens: int, seconds: float) -> None:
+        if self.enabled:
+            rate = read / seconds if seconds > 0 else 0.0
+            self.progress.update(self.task, description=f"reading {read:,} tokens  {rate:,.0f} tok/s  "
+                                                        f"cache {cache_tokens:,}")
+
+    def __enter__(self) -> ReadProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()

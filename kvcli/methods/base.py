@@ -57,6 +57,11 @@ class Method:
         return dataclasses.asdict(self)
 
     @classmethod
+    def has_param(cls, name: str) -> bool:
+        """Whether ``-o name=...`` (dashes or underscores) sets a parameter of this method."""
+        return name.replace("-", "_") in {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
     def params(cls) -> list[dict]:
         """Name, default, type and help of every parameter, for ``kvcli methods --json``."""
         out = []

@@ -1,7 +1,7 @@
 """``kvcli analyze``: attention entropy, inter-layer similarity, kept positions and wavelets on one prompt.
 
-The command is thin: :mod:`kvcli.analysis` measures and draws; this module reads the options,
-loads the model, writes ``analysis.json`` and the PNGs, and prints a short summary (or the JSON).
+:mod:`kvcli.analysis` measures and draws; this module reads the options, loads the model, writes
+``analysis.json`` and the PNGs, and prints a short summary (or the JSON).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Annotated
 
 import typer
 
-from kvcli.cli import BlockOpt, DeviceOpt, DtypeOpt, EncodingOpt, ModelOpt, QuietOpt, app, build_method, load
+from kvcli.cli.options import BlockOpt, Setup, build_method, split_list, with_setup
 from kvcli.errors import KvcliError, UsageError
 
 
-@app.command()
+@with_setup
 def analyze(
     source: Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text), or - for "
                                           "stdin; its first --max-tokens tokens are the prompt.")],
@@ -35,35 +35,28 @@ def analyze(
     bins: Annotated[int, typer.Option("--bins", help="Position bins of the kept-positions map.")] = 128,
     threshold: Annotated[float, typer.Option("--threshold", help="PoD similarity threshold for grouping "
                                              "layers.")] = 0.5,
-    model: ModelOpt = "smollm2-135m",
-    device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
-    encoding: EncodingOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print analysis.json on stdout instead of the "
                                            "summary.")] = False,
-    quiet: QuietOpt = False,
+    *,
+    setup: Setup,
 ) -> None:
     """Attention entropy and sparsity per layer, PoD's layer groups, kept positions per method, Haar wavelets."""
     import torch
 
     from kvcli.analysis import analyze as run_analysis
-    from kvcli.analysis import summary_lines, write_plots
+    from kvcli.analysis import write_plots
+    from kvcli.cli.render import summary_lines
     from kvcli.needle import book_tokens
     from kvcli.plots import have_matplotlib
-    from kvcli.report import dumps, print_result, stderr_console, warn
-    from kvcli.text import open_source
+    from kvcli.report import dumps, print_result
 
     if max_tokens < 2 or block < 1 or queries < 1 or bins < 1 or levels < 1:
         raise UsageError("--max-tokens must be at least 2, and --block, --queries, --bins and --levels at least 1")
     if not 0.0 <= threshold <= 1.0:
         raise UsageError(f"--threshold must be between 0 and 1, not {threshold}")
-    names = [name.strip() for name in methods.split(",") if name.strip()]
-    if not names:
-        raise UsageError("--methods is empty")
-    method_objs = {name: build_method(name, None, cache) for name in names}
-    say = (lambda message: None) if quiet else warn
-    documents = open_source(source, encoding=encoding, warn=say)
-    loaded = load(model, device, dtype, None, False, False)
+    method_objs = {name: build_method(name, None, cache) for name in split_list(methods, str, "--methods")}
+    documents = setup.documents(source)
+    loaded = setup.load()
     trained = loaded.trained_context
     if trained and max_tokens > trained:
         raise UsageError(f"--max-tokens {max_tokens} is longer than the model's trained context ({trained}): the "
@@ -73,14 +66,13 @@ def analyze(
         raise KvcliError(f"{source} has {ids.shape[0]} tokens; the analysis needs at least {2 ** levels} "
                          f"(2**--levels)")
     if ids.shape[0] < max_tokens:
-        say(f"{source} has only {ids.shape[0]:,} tokens: analysing all of them")
+        setup.say(f"{source} has only {ids.shape[0]:,} tokens: analysing all of them")
 
     def step(message: str) -> None:
-        if not quiet:
-            stderr_console.print(f"analyze: {message}", markup=False, highlight=False)
+        setup.note(f"analyze: {message}")
 
     started = time.perf_counter()
-    result = run_analysis(loaded.model, ids, method_objs, cache_size=cache, block=block, queries=queries,
+    result = run_analysis(loaded.model, ids, method_objs, budget=cache, block=block, queries=queries,
                           levels=levels, bins=bins, threshold=threshold, on_step=step)
     result = {"model": loaded.name, "source": source, "device": str(loaded.device),
               "dtype": str(loaded.dtype).removeprefix("torch."), **result,
@@ -91,7 +83,7 @@ def analyze(
         step("drawing")
         files = [str(path) for path in write_plots(result, out)]
     else:
-        say("plots need matplotlib (pip install 'kvcli[plot]'): writing analysis.json only")
+        setup.say("plots need matplotlib (pip install 'kvcli[plot]'): writing analysis.json only")
     json_path = out / "analysis.json"
     result["files"] = [str(json_path), *files]
     text = dumps(result)
@@ -101,5 +93,4 @@ def analyze(
         return
     header = (f"analyzed {result['tokens']:,} tokens of {source} · {loaded.name} ({result['dtype']}, "
               f"{result['device']}) · {result['seconds']:.1f} s")
-    print_result("\n".join([header, *summary_lines(json.loads(text)),
-                            f"wrote {', '.join(result['files'])}"]))
+    print_result("\n".join([header, *summary_lines(json.loads(text)), f"wrote {', '.join(result['files'])}"]))

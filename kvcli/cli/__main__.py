@@ -1,0 +1,3 @@
+from kvcli.cli.app import main
+
+main()

@@ -1,0 +1,109 @@
+"""``kvcli bench``: methods x cache budgets over one token stream, a table on stdout, results.json and plots.
+
+:mod:`kvcli.bench` plans, runs, saves and plots. The table is the result (stdout); progress, skipped
+runs and the paths written go to stderr.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvcli.cli.options import (
+    BlockOpt,
+    DataDirOpt,
+    MethodsOptionOpt,
+    Setup,
+    check_at_least,
+    check_cache,
+    method_options,
+    split_list,
+    with_setup,
+)
+
+
+@with_setup
+def bench(
+    source: Annotated[str, typer.Argument(help="A text file, a folder of .txt files, - for stdin, or pg19; all "
+                                          "documents are read as one stream.")],
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods to compare (see `kvcli "
+                                         "methods`); full runs once, without a budget.")] = "full,streamingllm,treekv",
+    cache: Annotated[str, typer.Option("--cache", "-c", help="Comma-separated KV budgets in tokens per layer; "
+                                       "every method but full runs at each.")] = "256,512,1024",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Score the first N tokens of SOURCE (fewer "
+                                            "if it is shorter).")] = 8192,
+    out: Annotated[Path, typer.Option("--out", help="Folder for results.json and the plots; a rerun into the "
+                                      "same folder skips the runs it already has.")] = Path("bench"),
+    block: BlockOpt = 256,
+    option: MethodsOptionOpt = None,
+    plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw ppl_vs_cache.png and nll_vs_position.png "
+                                       "(needs matplotlib).")] = True,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown (for docs).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object {runs: [...], ...} instead of "
+                                           "the table.")] = False,
+    data_dir: DataDirOpt = None,
+    *,
+    setup: Setup,
+) -> None:
+    """Perplexity, speed and memory of several methods at several cache sizes on the same tokens."""
+    from kvcli.bench import bench_json, check_out_dir, plan_grid, read_token_stream, run_grid
+    from kvcli.cli.render import bench_table
+    from kvcli.report import StreamProgress, dumps, print_result
+
+    method_list = split_list(methods, str, "--methods")
+    budgets = split_list(cache, int, "--cache")
+    for budget in budgets:
+        check_cache(budget)
+    check_at_least(1, block=block, max_tokens=max_tokens)
+    specs = plan_grid(method_list, budgets, method_options(list(dict.fromkeys(method_list)), option))
+    check_out_dir(out)
+    documents = setup.documents(source, data_dir)
+    loaded = setup.load()
+    stream = read_token_stream(documents, loaded.tokenizer, source, max_tokens)
+    progress = StreamProgress(stream.tokens + 1, loaded.device, enabled=not setup.quiet)
+
+    def on_start(spec, index: int, total: int) -> None:
+        if not progress.enabled:  # a terminal shows the run on the progress line instead
+            setup.note(f"[{index + 1}/{total}] {spec.label} ...")
+        progress.update(0, 0.0, float("nan"), 0, label=spec.label)
+
+    def on_block(stats, totals) -> None:
+        progress.update(totals.processed, stats.tokens_per_second, totals.ppl, stats.cache_tokens)
+
+    def on_run(run: dict, index: int, total: int) -> None:
+        label = run["method"] if run["cache"] is None else f"{run['method']} · cache {run['cache']:,}"
+        setup.note(f"[{index + 1}/{total}] {label}: ppl {run['ppl']:.3f} · {run['tokens_per_second']:,.0f} "
+                   f"tokens/s · {run['seconds']:.1f} s")
+
+    def on_skip(runs: list) -> None:
+        setup.note(f"skipping {len(runs)} finished run{'s' * (len(runs) != 1)} already in {out}")
+
+    with progress.running():
+        grid = run_grid(loaded, stream, specs, block=block, out_dir=out, on_block=on_block, warn=setup.say,
+                        on_skip=on_skip, on_start=on_start, on_run=on_run)
+    if json_out:
+        print_result(dumps(bench_json(grid, out, _plots(grid, out, plot, setup))))
+    else:
+        print_result(bench_table(grid.runs, grid.settings, grid.interrupted, markdown))
+        _plots(grid, out, plot, setup)
+    if grid.interrupted:
+        setup.note(f"interrupted: {len(grid.runs)} of {len(specs)} runs are in {out}; run the same command to go on")
+        raise typer.Exit(130)
+
+
+def _plots(grid, out: Path, plot: bool, setup: Setup) -> list[Path]:
+    """Plots of every run in results.json; without matplotlib, one warning and no pictures."""
+    from kvcli.bench import plot_results
+    from kvcli.plots import have_matplotlib
+
+    if not plot or not grid.results["runs"]:
+        return []
+    if not have_matplotlib():
+        setup.say("plots need matplotlib (pip install 'kvcli[plot]'): results.json written, no PNGs")
+        return []
+    paths = plot_results(grid.results, out)
+    for path in paths:
+        setup.note(f"wrote {path}")
+    return paths

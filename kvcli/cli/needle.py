@@ -1,0 +1,85 @@
+"""``kvcli needle``: the pass-key test as a grid of methods x lengths x depths (:mod:`kvcli.needle`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvcli.cli.options import (
+    BlockOpt,
+    CacheOpt,
+    MethodsOptionOpt,
+    Setup,
+    check_at_least,
+    check_cache,
+    method_options,
+    split_list,
+    with_setup,
+)
+from kvcli.cli.reading import MaxNewOpt, OneShotOpt, ProbeOpt, SeedOpt
+from kvcli.errors import UsageError
+
+
+def _depth(item: str) -> float:
+    return float(item.rstrip("%")) / (100 if item.endswith("%") else 1)
+
+
+def _length(item: str) -> int:
+    item = item.lower()
+    return int(float(item[:-1]) * 1000) if item.endswith("k") else int(item)
+
+
+@with_setup
+def needle(
+    source: Annotated[str, typer.Argument(help="A book (text file, folder or -) to cut the haystacks from.")],
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods to compare.")] = "full,snapkv",
+    lengths: Annotated[str, typer.Option("--lengths", help="Comma-separated haystack lengths in tokens "
+                                         "(6000 or 6k).")] = "6000",
+    depths: Annotated[str, typer.Option("--depths", help="Comma-separated depths of the needle (0.1 or "
+                                        "10%).")] = "0.1,0.3,0.5,0.7,0.9",
+    trials: Annotated[int, typer.Option("--trials", help="Haystacks per length and depth (each with its own "
+                                        "excerpt and key).")] = 1,
+    cache: CacheOpt = 1024,
+    block: BlockOpt = 256,
+    option: MethodsOptionOpt = None,
+    seed: SeedOpt = 0,
+    max_new_tokens: MaxNewOpt = 12,
+    one_shot: OneShotOpt = None,
+    probe: ProbeOpt = True,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every trial and the accuracy "
+                                           "tables.")] = False,
+    *,
+    setup: Setup,
+) -> None:
+    """Pass-key retrieval as a grid: methods x lengths x depths, accuracy on stdout."""
+    from kvcli.cli.render import needle_tables
+    from kvcli.methods import METHODS
+    from kvcli.needle import book_tokens, run_grid
+    from kvcli.report import dumps, print_result
+
+    method_list = split_list(methods, str, "--methods")
+    for name in method_list:
+        if name not in METHODS:
+            raise UsageError(f"unknown method {name!r}; choose from: {', '.join(sorted(METHODS))}")
+    length_list = split_list(lengths, _length, "--lengths")
+    depth_list = split_list(depths, _depth, "--depths")
+    check_at_least(1, trials=trials, block=block, max_new_tokens=max_new_tokens)
+    check_cache(cache)
+    per_method = method_options(method_list, option)
+    documents = setup.documents(source)
+    loaded = setup.load()
+    tokens = book_tokens(documents, loaded.tokenizer, max(length_list) * trials)
+
+    def on_trial(trial, done, total) -> None:
+        mark = "ok" if trial.correct else "miss"
+        setup.note(f"[{done}/{total}] {trial.method} length {trial.length:,} depth {trial.depth:.0%}: "
+                   f"{trial.answer!r} ({mark}, key {trial.key}, {trial.seconds:.1f} s)")
+
+    result = run_grid(loaded.model, loaded.tokenizer, tokens, method_list, lengths=length_list, depths=depth_list,
+                      trials=trials, budget=cache, block=block, seed=seed, max_new_tokens=max_new_tokens,
+                      one_shot=one_shot, probe=probe, options=per_method, warn=setup.say, on_trial=on_trial)
+    if json_out:
+        print_result(dumps({"model": loaded.name, **result.as_dict()}))
+    else:
+        print_result(needle_tables(result, loaded.name))

@@ -1,0 +1,193 @@
+"""What every command shares: the options that load a model and read input, parsed into one object.
+
+:func:`with_setup` adds the shared options (model, device, dtype, device map, quantisation,
+encoding, quiet) to a command's signature and hands the command one :class:`Setup` instead, so a
+command declares only its own options. The rest are small parsers for the option syntaxes the
+commands share (``-o KEY=VALUE``, comma-separated lists, ``--cache``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvcli.errors import UsageError
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset name (smollm2-135m), Hugging Face id or "
+                                       "local folder, or a .gguf file.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 on CUDA and on CPUs with AMX/AVX512-BF16, "
+                                       "else fp32), bfloat16, float16 or float32.")]
+DeviceMapOpt = Annotated[str | None, typer.Option("--device-map", help="accelerate device map (e.g. auto) to "
+                                                  "spread a large model over GPUs.")]
+FourBitOpt = Annotated[bool, typer.Option("--load-in-4bit", help="Quantize weights to 4 bits (bitsandbytes, "
+                                          "CUDA only).")]
+EightBitOpt = Annotated[bool, typer.Option("--load-in-8bit", help="Quantize weights to 8 bits (bitsandbytes, "
+                                           "CUDA only).")]
+EncodingOpt = Annotated[str | None, typer.Option("--encoding", help="Text encoding of the input (default UTF-8, "
+                                                 "invalid bytes replaced with a warning).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or warnings on stderr.")]
+
+# Options several commands declare themselves (their defaults differ by command).
+MethodOpt = Annotated[str, typer.Option("--method", help="Compression method (see `kvcli methods`).")]
+CacheOpt = Annotated[int, typer.Option("--cache", "-c", help="KV budget in tokens per layer (average over "
+                                       "layers for methods that vary it). Ignored by `full`.")]
+BlockOpt = Annotated[int, typer.Option("--block", "-b", help="Tokens per forward pass; the cache is compressed "
+                                       "after every block.")]
+OptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", help="Method parameter KEY=VALUE "
+                                                     "(repeatable), e.g. -o sinks=8.")]
+MethodsOptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", help="Method parameter KEY=VALUE for "
+                                                            "every listed method that has it, or METHOD.KEY=VALUE "
+                                                            "for one (repeatable).")]
+DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="Folder of .txt books for the pg19 source "
+                                                 "when offline (or set KVCLI_DATA).")]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The shared options of a command: which model, on what, reading input how, how chatty."""
+
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    device_map: str | None = None
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    encoding: str | None = None
+    quiet: bool = False
+
+    def say(self, message: str) -> None:
+        """A warning on stderr, unless ``--quiet``."""
+        if not self.quiet:
+            from kvcli.report import warn
+
+            warn(message)
+
+    def note(self, message: str) -> None:
+        """A plain progress line on stderr, unless ``--quiet``."""
+        if not self.quiet:
+            from kvcli.report import stderr_console
+
+            stderr_console.print(message, markup=False, highlight=False)
+
+    def documents(self, source: str, data_dir: Path | None = None) -> list:
+        """SOURCE as documents, checked before any model loads."""
+        from kvcli.text import open_source
+
+        return open_source(source, encoding=self.encoding, data_dir=data_dir, warn=self.say)
+
+    def load(self):
+        """The model (loaded once per process)."""
+        from kvcli.models import load_model
+
+        return load_model(self.model, device=self.device, dtype=self.dtype, device_map=self.device_map,
+                          load_in_4bit=self.load_in_4bit, load_in_8bit=self.load_in_8bit)
+
+    def build_engine(self, loaded, method, budget: int | None, block: int):
+        """An engine for ``loaded`` whose warnings follow ``--quiet``."""
+        from kvcli.engine import Engine
+
+        return Engine(loaded.model, method, budget, block=block, warn=self.say)
+
+
+_SHARED = [
+    inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=annotation)
+    for field, annotation in zip(dataclasses.fields(Setup), (ModelOpt, DeviceOpt, DtypeOpt, DeviceMapOpt, FourBitOpt,
+                                                             EightBitOpt, EncodingOpt, QuietOpt), strict=True)
+]
+
+
+def with_setup(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give ``command`` the shared options: Typer sees them in the signature, the command gets a
+    :class:`Setup` as its ``setup`` argument instead."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "setup"]
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        setup = Setup(**{p.name: kwargs.pop(p.name) for p in _SHARED})
+        return command(*args, setup=setup, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*own, *_SHARED])  # type: ignore[attr-defined]
+    return wrapper
+
+
+def explicit(ctx: typer.Context, name: str) -> bool:
+    """Whether the user gave option ``name`` (command line or environment) rather than its default.
+
+    Compared by name: recent Typer versions bring their own copy of click's ``ParameterSource``.
+    """
+    source = ctx.get_parameter_source(name)
+    return source is not None and getattr(source, "name", "") not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def parse_options(options: list[str] | None) -> dict[str, str]:
+    """``-o KEY=VALUE`` items as a dict."""
+    parsed: dict[str, str] = {}
+    for item in options or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"-o {item!r}: expected KEY=VALUE")
+        parsed[key.strip()] = value.strip()
+    return parsed
+
+
+def split_list(text: str, convert: Callable[[str], Any], what: str) -> list:
+    """``"a,b,c"`` as a list of converted items; a usage error names the option ``what`` when it fails."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise UsageError(f"{what} is empty")
+    try:
+        return [convert(item) for item in items]
+    except ValueError:
+        raise UsageError(f"{what}: cannot read {text!r} as a comma-separated list") from None
+
+
+def check_cache(cache: int) -> None:
+    if cache < 1:
+        raise UsageError(f"--cache must be a positive number of tokens, not {cache}")
+
+
+def check_at_least(minimum: int, **values: int | None) -> None:
+    """``--name`` must be at least ``minimum`` for every given value that is not None."""
+    for name, value in values.items():
+        if value is not None and value < minimum:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least {minimum}, not {value}")
+
+
+def build_method(name: str, options: dict[str, str] | list[str] | None, cache: int):
+    """The method ``name`` with its ``-o`` options, checked against the budget ``--cache`` before any model loads."""
+    from kvcli.engine import check_budget
+    from kvcli.methods import make_method
+
+    check_cache(cache)
+    method = make_method(name, options if isinstance(options, dict) else parse_options(options))
+    check_budget(method, cache)
+    return method
+
+
+def method_options(methods: list[str], options: list[str] | None) -> dict[str, dict]:
+    """``-o KEY=VALUE`` for every method with parameter KEY, ``-o METHOD.KEY=VALUE`` for one method."""
+    from kvcli.methods import METHODS
+
+    out: dict[str, dict] = {name: {} for name in methods}
+    for key, value in parse_options(options).items():
+        target, dot, name = key.rpartition(".")
+        if dot:
+            if target not in out:
+                raise UsageError(f"-o {key}: {target!r} is not one of --methods")
+            out[target][name] = value
+            continue
+        having = [m for m in methods if m in METHODS and METHODS[m].has_param(name)]
+        if not having:
+            raise UsageError(f"-o {key}: none of {', '.join(methods)} has a parameter {name!r}")
+        for m in having:
+            out[m][name] = value
+    return out

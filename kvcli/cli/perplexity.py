@@ -1,0 +1,86 @@
+"""``kvcli ppl``: streaming perplexity under a fixed-size KV cache, with memory reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvcli.cli.options import (
+    BlockOpt,
+    CacheOpt,
+    DataDirOpt,
+    MethodOpt,
+    OptionOpt,
+    Setup,
+    build_method,
+    check_at_least,
+    with_setup,
+)
+from kvcli.errors import UsageError
+
+
+@with_setup
+def ppl(
+    source: Annotated[str, typer.Argument(help="A text file, a folder of .txt files, - for stdin, or pg19.")],
+    method: MethodOpt = "streamingllm",
+    cache: CacheOpt = 1024,
+    block: BlockOpt = 256,
+    option: OptionOpt = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", "-n", help="Stop after this many scored "
+                                                   "tokens.")] = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Run all documents as one continuous stream with one "
+                                         "cache (TreeKV Figure 4) instead of a fresh cache per document.")] = False,
+    context: Annotated[int | None, typer.Option("--context", help="Sliding-window protocol: window length L "
+                                                "(each window streamed from an empty cache).")] = None,
+    stride: Annotated[int | None, typer.Option("--stride", help="Sliding-window protocol: stride S; only the "
+                                               "last S tokens of each window are scored.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")] = False,
+    jsonl: Annotated[Path | None, typer.Option("--jsonl", help="Write one JSON record per block to this file "
+                                               "(position, nll, cache tokens, tokens/s).")] = None,
+    data_dir: DataDirOpt = None,
+    *,
+    setup: Setup,
+) -> None:
+    """Streaming perplexity of SOURCE under a fixed-size KV cache, with memory reported."""
+    from kvcli.cli.render import ppl_summary
+    from kvcli.perplexity import PerplexityRun, evaluate
+    from kvcli.report import StreamProgress, dumps, print_result
+
+    check_at_least(1, block=block, max_tokens=max_tokens)
+    if (context is None) != (stride is None):
+        raise UsageError("--context and --stride go together")
+    if context is not None and not 1 <= stride <= context:
+        raise UsageError("--stride must be between 1 and --context")
+    if context is not None and stream:
+        raise UsageError("--stream and --context/--stride are different protocols: choose one")
+    method_obj = build_method(method, option, cache)
+    documents = setup.documents(source, data_dir)
+    loaded = setup.load()
+    engine = setup.build_engine(loaded, method_obj, cache, block)
+
+    progress = StreamProgress(max_tokens, loaded.device, enabled=not setup.quiet)
+    jsonl_file = jsonl.open("w") if jsonl else None
+
+    def on_block(stats, totals) -> None:
+        if jsonl_file:
+            jsonl_file.write(json.dumps({"position": stats.position, "tokens": stats.tokens, "nll": stats.nll,
+                                         "cache_tokens": stats.cache_tokens,
+                                         "tokens_per_second": stats.tokens_per_second}) + "\n")
+        progress.update(totals.processed, stats.tokens_per_second, totals.ppl, stats.cache_tokens)
+
+    try:
+        with progress.running():
+            totals, rows, peak = evaluate(loaded, documents, engine, max_tokens=max_tokens, stream=stream,
+                                          context=context, stride=stride, on_block=on_block)
+    finally:
+        if jsonl_file:
+            jsonl_file.close()
+    protocol = "sliding" if context is not None else ("stream" if stream else "documents")
+    result = PerplexityRun(loaded, method, method_obj.settings(), engine.budget, block, protocol, totals, rows,
+                           peak).as_dict()
+    print_result(dumps(result) if json_out else ppl_summary(result))
+    if totals.interrupted:
+        raise typer.Exit(130)

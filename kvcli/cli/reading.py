@@ -1,0 +1,229 @@
+"""``kvcli summarize`` and ``kvcli ask``: read a whole document into a fixed-size cache, then write.
+
+:mod:`kvcli.generate` reads and writes; this module parses the options, applies presets, and sends
+the generated text to stdout as it is produced (statistics to stderr).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+
+from kvcli.cli.options import (
+    BlockOpt,
+    CacheOpt,
+    MethodOpt,
+    OptionOpt,
+    Setup,
+    build_method,
+    check_at_least,
+    explicit,
+    parse_options,
+    with_setup,
+)
+from kvcli.errors import UsageError
+
+SourceArg = Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text), or - for "
+                                          "stdin.")]
+MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Stop after generating this many tokens.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy; above 0, sample from the "
+                                               "softmax at this temperature.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the sampler (--temperature > 0).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout instead of "
+                                       "streaming the text.")]
+PresetOpt = Annotated[list[str] | None, typer.Option("--preset", "-p", help="Preset NAME or PATH.toml filling "
+                                                     "defaults (repeatable: a model and a method preset); explicit "
+                                                     "options win. See `kvcli presets`.")]
+OneShotOpt = Annotated[bool | None, typer.Option("--one-shot/--no-one-shot", help="Prefill the whole prompt in one "
+                                                 "forward pass (the question is the observation window) or stream "
+                                                 "it in blocks. Default: one shot when it fits the model's context.",
+                                                 show_default=False)]
+ProbeOpt = Annotated[bool, typer.Option("--probe/--no-probe", help="Query-aware compression while streaming: "
+                                        "the instruction's queries score the cache after every block.")]
+StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Extra stop string (repeatable).")]
+AnswerPrefixOpt = Annotated[str, typer.Option("--answer-prefix", help="Start the answer with this text (e.g. "
+                                              "'The answer is'); the model continues it.")]
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How ``summarize`` and ``ask`` read and write: the options a method preset may fill, and the rest."""
+
+    method: str
+    cache: int
+    block: int
+    options: dict
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    json_out: bool
+    one_shot: bool | None
+    probe: bool
+    stop: list[str]
+
+
+# Preset keys and the object whose field of that name they fill when the user left it at its default.
+SETUP_KEYS = ("model", "dtype", "device")
+READ_KEYS = ("method", "cache", "block")
+
+
+def apply_presets(ctx: typer.Context, specs: list[str] | None, setup: Setup, read: ReadOptions
+                  ) -> tuple[Setup, ReadOptions]:
+    """Fill what the user did not give from presets; ``-o`` options update the presets' options and
+    stop strings add to theirs."""
+    from kvcli.presets import merge
+
+    merged = merge(specs)
+    setup = dataclasses.replace(setup, **{k: merged[k] for k in SETUP_KEYS if k in merged and not explicit(ctx, k)})
+    read = dataclasses.replace(read, **{k: merged[k] for k in READ_KEYS if k in merged and not explicit(ctx, k)})
+    return setup, dataclasses.replace(read, options={**merged.get("options", {}), **read.options},
+                                      stop=list(dict.fromkeys([*merged.get("stop", []), *read.stop])))
+
+
+def read_and_write(ctx: typer.Context, command: str, source: str, instruction, presets: list[str] | None,
+                   setup: Setup, read: ReadOptions) -> None:
+    """The shared body of ``summarize`` and ``ask``."""
+    from kvcli.cli.render import reading_summary
+    from kvcli.generate import Reader, build_prompt, document_tokens, stop_token_ids
+    from kvcli.report import (
+        ReadProgress,
+        StdoutStream,
+        dumps,
+        peak_memory_bytes,
+        print_result,
+        reset_peak_memory,
+        stderr_console,
+    )
+
+    setup, read = apply_presets(ctx, presets, setup, read)
+    check_at_least(1, block=read.block, max_new_tokens=read.max_new_tokens)
+    if read.temperature < 0:
+        raise UsageError(f"--temperature must not be negative, not {read.temperature}")
+    method_obj = build_method(read.method, read.options, read.cache)
+    documents = setup.documents(source)
+    loaded = setup.load()
+    tokenizer = loaded.tokenizer
+    engine = setup.build_engine(loaded, method_obj, read.cache, read.block)
+    parts = build_prompt(tokenizer, instruction)
+    reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
+                    temperature=read.temperature, seed=read.seed)
+    out = None if read.json_out else StdoutStream()
+    reset_peak_memory(loaded.device)
+    progress = ReadProgress(enabled=not setup.quiet)
+    reader.on_progress = progress.update
+    primer = instruction.answer_prefix
+
+    def after_reading(gen) -> None:
+        progress.__exit__()
+        if out is not None and primer:
+            out.write(primer)
+
+    with progress:
+        gen = reader.run(parts, document_tokens(documents, tokenizer), read.max_new_tokens, one_shot=read.one_shot,
+                         probe=read.probe, on_text=out.write if out else None, on_read=after_reading)
+    peak = peak_memory_bytes(loaded.device)
+    if out is not None:
+        out.end()
+    else:
+        print_result(dumps({
+            "summary" if command == "summarize" else "answer": (primer + gen.text).strip(),
+            "prompt_tokens": gen.prompt_tokens,
+            "document_tokens": gen.document_tokens,
+            "generated_tokens": gen.generated_tokens,
+            "max_cache_tokens": gen.max_cache_tokens,
+            "kv_cache_bytes": gen.kv_cache_bytes,
+            "peak_memory_bytes": peak,
+            "seconds": gen.seconds,
+            "read_seconds": gen.read_seconds,
+            "write_seconds": gen.write_seconds,
+            "model": loaded.name,
+            "method": read.method,
+            "params": method_obj.settings(),
+            "cache": engine.budget,
+            "block": read.block,
+            "one_shot": gen.one_shot,
+            "chat_template": parts.chat,
+            "finish_reason": gen.finish_reason,
+        }))
+    if not setup.quiet:
+        stderr_console.print(reading_summary(gen, loaded, read.method, engine.budget, read.block, peak),
+                             markup=False, highlight=False)
+    if gen.finish_reason == "interrupted":
+        raise typer.Exit(130)
+
+
+@with_setup
+def summarize(
+    ctx: typer.Context,
+    source: SourceArg,
+    method: MethodOpt = "treekv",
+    cache: CacheOpt = 1024,
+    block: BlockOpt = 256,
+    option: OptionOpt = None,
+    max_new_tokens: MaxNewOpt = 256,
+    prompt: Annotated[str | None, typer.Option("--prompt", help="Your own instruction, placed after the "
+                                               "document.")] = None,
+    template: Annotated[str | None, typer.Option("--template", help="A named instruction: summary (default), "
+                                                 "tldr or keypoints.")] = None,
+    answer_prefix: AnswerPrefixOpt = "",
+    temperature: TemperatureOpt = 0.0,
+    seed: SeedOpt = 0,
+    json_out: JsonOpt = False,
+    preset: PresetOpt = None,
+    one_shot: OneShotOpt = None,
+    probe: ProbeOpt = True,
+    stop: StopOpt = None,
+    *,
+    setup: Setup,
+) -> None:
+    """Read SOURCE (any length) through a fixed-size KV cache, then write a summary of it to stdout."""
+    from kvcli.generate import TEMPLATES, custom_instruction
+
+    if prompt is not None and template is not None:
+        raise UsageError("--prompt and --template are alternatives: give one")
+    if prompt is not None:
+        if not prompt.strip():
+            raise UsageError("--prompt is empty")
+        instruction = custom_instruction(prompt, answer_prefix)
+    else:
+        name = template or "summary"
+        if name not in TEMPLATES:
+            raise UsageError(f"unknown --template {name!r}; choose one of: {', '.join(TEMPLATES)}")
+        instruction = dataclasses.replace(TEMPLATES[name], answer_prefix=answer_prefix)
+    read = ReadOptions(method, cache, block, parse_options(option), max_new_tokens, temperature, seed, json_out,
+                       one_shot, probe, stop or [])
+    read_and_write(ctx, "summarize", source, instruction, preset, setup, read)
+
+
+@with_setup
+def ask(
+    ctx: typer.Context,
+    source: SourceArg,
+    question: Annotated[str, typer.Argument(help="The question, answered from the document.")],
+    method: MethodOpt = "treekv",
+    cache: CacheOpt = 1024,
+    block: BlockOpt = 256,
+    option: OptionOpt = None,
+    max_new_tokens: MaxNewOpt = 128,
+    answer_prefix: AnswerPrefixOpt = "",
+    temperature: TemperatureOpt = 0.0,
+    seed: SeedOpt = 0,
+    json_out: JsonOpt = False,
+    preset: PresetOpt = None,
+    one_shot: OneShotOpt = None,
+    probe: ProbeOpt = True,
+    stop: StopOpt = None,
+    *,
+    setup: Setup,
+) -> None:
+    """Answer QUESTION about SOURCE; the question steers which tokens the compressed cache keeps."""
+    from kvcli.generate import question_instruction
+
+    if not question.strip():
+        raise UsageError("the question is empty")
+    read = ReadOptions(method, cache, block, parse_options(option), max_new_tokens, temperature, seed, json_out,
+                       one_shot, probe, stop or [])
+    read_and_write(ctx, "ask", source, question_instruction(question, answer_prefix), preset, setup, read)

@@ -1,0 +1,215 @@
+"""Presentation: every result the CLI prints on stdout, as text or tables, from plain dictionaries.
+
+The library returns numbers; this module alone decides how they read. Tables are Rich tables
+rendered to plain text (no colour), so stdout stays pipe-friendly.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kvcli.report import mib
+
+
+def _console(buffer: io.StringIO) -> Console:
+    return Console(file=buffer, width=120, force_terminal=False, color_system=None, highlight=False)
+
+
+def ppl_summary(result: dict) -> str:
+    """``kvcli ppl``'s text result: perplexity, the run's settings, memory and speed, one line per document."""
+    lines = []
+    if result.get("interrupted"):
+        lines.append("interrupted: results so far")
+    lines.append(f"perplexity {result['ppl']:.3f}  (nll {result['nll']:.4f} nats/token, "
+                 f"{result['bits_per_byte']:.4f} bits/byte) over {result['tokens']:,} tokens")
+    cache = "unbounded" if result["cache"] is None else f"{result['cache']:,} tokens/layer"
+    lines.append(f"{result['model']} · {result['method']} · cache {cache} · block {result['block']} · "
+                 f"{result['protocol']}")
+    lines.append(f"KV cache {mib(result['kv_cache_bytes'])} (uncompressed: {mib(result['full_kv_cache_bytes'])})"
+                 f" · peak memory {mib(result['peak_memory_bytes'])}")
+    lines.append(f"{result['seconds']:.1f} s · {result['tokens_per_second']:,.0f} tokens/s on "
+                 f"{result['device']} ({result['dtype']})")
+    for row in result.get("documents", []):
+        lines.append(f"  {row['name']}: ppl {row['ppl']:.3f} over {row['tokens']:,} tokens")
+    return "\n".join(lines)
+
+
+def methods_listing(rows: list[dict]) -> str:
+    """``kvcli methods``: each method, its description and its ``-o`` parameters."""
+    lines = []
+    for row in rows:
+        lines.append(f"{row['name']:<14} {row['description']}")
+        for p in row["params"]:
+            lines.append(f"{'':<16}-o {p['name']}={p['default']}  {p['help']}")
+    return "\n".join(lines)
+
+
+def presets_listing(found: list, user_dir: Path) -> str:
+    """``kvcli presets``: presets by kind with their settings and files."""
+    lines = []
+    for kind in ("model", "method", "mixed"):
+        group = [p for p in found if p.kind == kind]
+        if not group:
+            continue
+        lines.append(f"{kind} presets:")
+        for p in group:
+            settings = ", ".join(f"{k}={_short(v)}" for k, v in p.settings.items() if k not in ("description", "kind"))
+            lines.append(f"  {p.name:<24} {settings}")
+            lines.append(f"  {'':<24} {p.source}: {p.path}")
+    lines.append(f"user presets folder: {user_dir}")
+    return "\n".join(lines)
+
+
+def _short(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}={v}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def reading_summary(gen, loaded, method: str, budget: int | None, block: int, peak: int) -> str:
+    """What ``summarize`` and ``ask`` report on stderr after writing."""
+    mode = "one shot" if gen.one_shot else f"streamed in blocks of {block}"
+    cache_text = "unbounded" if budget is None else f"{budget:,} tokens/layer"
+    return (f"read {gen.prompt_tokens:,} prompt tokens ({mode}) in {gen.read_seconds:.1f} s · generated "
+            f"{gen.generated_tokens:,} tokens in {gen.write_seconds:.1f} s ({gen.finish_reason})\n"
+            f"{loaded.name} · {method} · cache {cache_text} · max cache {gen.max_cache_tokens:,} tokens · "
+            f"KV cache {mib(gen.kv_cache_bytes)} · peak memory {mib(peak)}")
+
+
+def needle_tables(result, model_name: str) -> str:
+    """The grid as two Rich tables rendered to text: accuracy per method x length, then per depth."""
+    buffer = io.StringIO()
+    console = _console(buffer)
+    settings = result.settings
+    rows = result.accuracy()
+    lengths = list(dict.fromkeys(r["length"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cell = {(r["method"], r["length"]): r for r in rows}
+    table = Table(title="pass-key accuracy", caption=f"{model_name} · cache {settings['cache']:,} · block "
+                                                        f"{settings['block']} · seed {settings['seed']}")
+    table.add_column("method")
+    for length in lengths:
+        table.add_column(f"{length:,} tokens", justify="right")
+    for name in methods:
+        table.add_row(name, *(_fmt(cell.get((name, length))) for length in lengths))
+    console.print(table)
+    deep = result.accuracy(by_depth=True)
+    depths = list(dict.fromkeys(r["depth"] for r in deep))
+    cell = {(r["method"], r["length"], r["depth"]): r for r in deep}
+    table = Table(title="by depth of the needle")
+    table.add_column("method")
+    table.add_column("length", justify="right")
+    for depth in depths:
+        table.add_column(f"{depth:.0%}", justify="right")
+    for name in methods:
+        for length in lengths:
+            table.add_row(name, f"{length:,}", *(_fmt(cell.get((name, length, d))) for d in depths))
+    console.print(table)
+    return buffer.getvalue()
+
+
+def _fmt(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    return f"{row['accuracy']:.0%} ({row['correct']}/{row['trials']})"
+
+
+def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, markdown: bool = False) -> str:
+    """The grid's runs as a Rich table rendered to plain text (what the text mode prints on stdout);
+    ``markdown`` draws it as a Markdown table under its caption, ready to paste into docs."""
+    buffer = io.StringIO()
+    console = _console(buffer)
+    full = next((run for run in runs if run["cache"] is None), None)
+    source = Path(settings["source"]).name or settings["source"]
+    uncompressed = runs[0]["full_kv_cache_bytes"] if runs else 0
+    title = "kvcli bench" + (" (interrupted: finished runs only)" if interrupted else "")
+    caption = (f"{settings['model']} · {settings['tokens']:,} tokens of {source} · block {settings['block']} · "
+               f"{settings['device']} ({settings['dtype']}) · uncompressed KV cache {mib(uncompressed)}")
+    if markdown:
+        table = Table(box=box.MARKDOWN)
+        console.print(caption + "\n", soft_wrap=True)
+    else:
+        table = Table(title=title, caption=caption)
+    table.add_column("method")
+    table.add_column("cache", justify="right")
+    table.add_column("perplexity", justify="right")
+    if full is not None:
+        table.add_column("vs full", justify="right")
+    table.add_column("bits/byte", justify="right")
+    table.add_column("tokens/s", justify="right")
+    table.add_column("KV cache", justify="right")
+    table.add_column("peak memory", justify="right")
+    for run in runs:
+        cells = [run["method"], "-" if run["cache"] is None else f"{run['cache']:,}", f"{run['ppl']:.3f}"]
+        if full is not None:
+            cells.append("-" if run is full else f"{run['ppl'] / full['ppl'] - 1:+.1%}")
+        share = run["kv_cache_bytes"] / run["full_kv_cache_bytes"] if run["full_kv_cache_bytes"] else float("nan")
+        cells += [f"{run['bits_per_byte']:.4f}", f"{run['tokens_per_second']:,.0f}",
+                  f"{mib(run['kv_cache_bytes'])} ({share:.0%})", mib(run["peak_memory_bytes"])]
+        table.add_row(*cells)
+    if not runs:
+        console.print("no run finished")
+    else:
+        console.print(table)
+    text = buffer.getvalue()
+    if not markdown:
+        return text
+    lines = [line.rstrip() for line in text.strip("\n").splitlines()]
+    return "\n".join(line for i, line in enumerate(lines) if line or lines[i - 1]).rstrip() + "\n"  # one blank at most
+
+
+def summary_lines(result: dict) -> list[str]:
+    """A few lines that say what ``kvcli analyze`` found, for stdout."""
+    att, sim, pos, wav = result["attention"], result["similarity"], result["positions"], result["wavelet"]
+    layers = att["layers"]
+    third = max(1, layers // 3)
+    entropy = att["layer_entropy_bits"]
+    keys = att["layer_keys_fraction"]
+
+    def mean(values: Sequence[float]) -> float:
+        return sum(values) / len(values)
+
+    rho = att["entropy_vs_depth_spearman"]
+    rho = float("nan") if rho is None else rho  # NaN (a single layer) is null in JSON
+    trend = "falls with depth (funnels)" if rho < -0.3 else "rises with depth" if rho > 0.3 else "no clear trend"
+    lines = [
+        f"attention entropy (bits, last {result['queries']} queries, mean over heads): first {third} layers "
+        f"{mean(entropy[:third]):.2f}, middle {mean(entropy[third:layers - third] or entropy):.2f}, last {third} "
+        f"{mean(entropy[-third:]):.2f}; Spearman vs depth {rho:+.2f}: {trend}",
+        f"keys holding {att['mass']:.0%} of attention: first {third} layers {mean(keys[:third]):.1%}, last {third} "
+        f"{mean(keys[-third:]):.1%} of the visible keys (min {min(keys):.1%} at layer {keys.index(min(keys))}, "
+        f"max {max(keys):.1%} at layer {keys.index(max(keys))})",
+        f"PoD groups (1 - JS >= {sim['threshold']}) of {layers} layers: per query head {sim['group_counts']}, "
+        f"per KV head (majority vote) {sim['kv_group_counts']}, mean matrix {len(sim['mean_matrix_groups'])}",
+    ]
+    length = result["tokens"]
+    quarter_edges = [round(i * length / 4) for i in range(5)]
+    lines.append(f"kept positions at cache {pos['cache']} (share of kept tokens in each quarter of the "
+                 f"{length:,}-token prompt):")
+    edges = pos["bin_edges"]
+    for name, row in pos["methods"].items():
+        totals = [0.0] * 4
+        for b, count in enumerate(map(sum, zip(*row["counts"], strict=True))):
+            centre = (edges[b] + edges[b + 1]) / 2
+            totals[min(3, sum(centre >= e for e in quarter_edges[1:4]))] += count
+        whole = sum(totals) or 1.0
+        lines.append(f"  {name:<14} " + "  ".join(f"{t / whole:6.1%}" for t in totals))
+    mags = wav["magnitude"]
+    w_edges = wav["bin_edges"]
+    inside = [i for i in range(len(w_edges) - 1)
+              if w_edges[i] >= wav["start"] + wav["edge"] and w_edges[i + 1] <= length - wav["edge"]]
+    if len(inside) >= 4:
+        head, tail = inside[: len(inside) // 4], inside[-(len(inside) // 4):]
+        ratios = ", ".join(f"{name} {mean([c[i] for i in tail]) / max(mean([c[i] for i in head]), 1e-12):.1f}x"
+                           for name, c in mags.items())
+        lines.append(f"Haar detail magnitude, last quarter / first quarter (edges of {wav['edge']} excluded): "
+                     f"{ratios}")
+    return lines
