@@ -27,7 +27,7 @@ def user_preset(config_home, name: str, text: str):
 
 
 def test_builtin_presets_are_found_and_valid():
-    assert builtin_dirs(), "presets/ should sit beside the package in a source checkout"
+    assert builtin_dirs(), "the built-in presets ship inside the package"
     found = {p.name: p for p in list_presets()}
     assert MODELS | METHOD_PRESETS <= set(found)
     for name in MODELS:
@@ -89,3 +89,20 @@ def test_later_presets_override_earlier_and_options_merge(tmp_path):
     assert merged == {"method": "snapkv", "cache": 512, "model": "m", "stop": ["X", "Y"],
                       "options": {"window": 16, "kernel": 3}}
     assert merge(None) == {}
+
+
+def test_the_built_wheel_ships_the_builtin_presets(tmp_path):
+    """A non-editable install (a wheel, ``pip install .``) must find the same presets as a checkout."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    pytest.importorskip("setuptools")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("kvcli-*.whl")
+    shipped = {Path(name).name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("kvcli/presets/")}
+    expected = {path.name for path in builtin_dirs()[0].glob("*.toml")}
+    assert expected and expected <= shipped

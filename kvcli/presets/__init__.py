@@ -44,10 +44,8 @@ class Preset:
 
 
 def builtin_dirs() -> list[Path]:
-    """Folders of the built-in presets: ``presets/`` beside the package (a source checkout or an
-    editable install), then ``kvcli/presets_data`` inside an installed package if it was shipped there."""
-    here = Path(__file__).resolve().parent
-    return [d for d in (here.parent / "presets", here / "presets_data") if d.is_dir()]
+    """Folders of the built-in presets: this package's own folder, shipped as package data in every install."""
+    return [Path(__file__).resolve().parent]
 
 
 def user_dir() -> Path:
