@@ -22,7 +22,7 @@ ATTENTION_NAME = "kvcli"
 
 #: From this many queries on, a prefill into an empty cache uses SDPA's causal kernel on the CPU too:
 #: it never materialises the ``n x n`` probabilities, which makes a 6,000-token prefill about 2x
-#: faster here (1.02 s against 0.49 s per layer, ``python -m kvcli.benchmarks --attention``) and
+#: faster here (1.02 s against 0.49 s per layer, ``python -m kvcli.bench.throughput --attention``) and
 #: never allocates the 1.3 GB of bf16 logits and probabilities (2 x 9 heads x 6000 x 6000) either.
 CAUSAL_KERNEL_FROM = 1024
 

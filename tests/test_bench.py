@@ -8,8 +8,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-import kvcli.bench
-from kvcli.bench import plot_results, smooth_curve
+import kvcli.bench.grid
+import kvcli.bench.plots
+from kvcli.bench import RunSpec, plan_grid, plot_results, smooth_curve
 from kvcli.cli import app, main
 from kvcli.plots import have_matplotlib
 
@@ -65,7 +66,7 @@ def test_rerun_skips_finished_runs_without_measuring(tiny_model_dir, book, tmp_p
     def fail(*args, **kwargs):
         raise AssertionError("a finished run was measured again")
 
-    monkeypatch.setattr(kvcli.bench, "measure", fail)
+    monkeypatch.setattr(kvcli.bench.grid, "measure", fail)
     result = bench(*grid_args(tiny_model_dir, book, out, "--json"))
     assert result.exit_code == 0
     assert "skipping 5 finished runs" in result.stderr
@@ -108,7 +109,7 @@ def test_interrupted_grid_keeps_finished_runs_and_resumes(tiny_model_dir, book, 
     out = tmp_path / "out"
     args = [book, "--model", str(tiny_model_dir), "--methods", "streamingllm,tova", "--cache", "32,64", "--block",
             "16", "--max-tokens", "120", "--out", str(out), "--no-plot"]
-    real_measure = kvcli.bench.measure
+    real_measure = kvcli.bench.grid.measure
     calls = []
 
     def interrupted_third(*a, **kw):  # what the engine reports when Ctrl-C lands in the third run
@@ -117,7 +118,7 @@ def test_interrupted_grid_keeps_finished_runs_and_resumes(tiny_model_dir, book, 
         totals.interrupted = len(calls) == 3
         return totals, peak
 
-    monkeypatch.setattr(kvcli.bench, "measure", interrupted_third)
+    monkeypatch.setattr(kvcli.bench.grid, "measure", interrupted_third)
     result = bench(*args)
     assert result.exit_code == 130
     assert "interrupted" in result.stdout and "streamingllm" in result.stdout and "tova" not in result.stdout
@@ -125,7 +126,7 @@ def test_interrupted_grid_keeps_finished_runs_and_resumes(tiny_model_dir, book, 
     assert [(r["method"], r["cache"]) for r in first] == [("streamingllm", 32), ("streamingllm", 64)]
     assert not list(out.glob(".*tmp"))
 
-    monkeypatch.setattr(kvcli.bench, "measure", real_measure)
+    monkeypatch.setattr(kvcli.bench.grid, "measure", real_measure)
     result = bench(*args)
     assert result.exit_code == 0 and "skipping 2 finished runs" in result.stderr
     runs = json.loads((out / "results.json").read_text())["runs"]
@@ -189,6 +190,13 @@ def test_without_matplotlib_warns_once_and_writes_results(tiny_model_dir, book, 
     assert (out / "results.json").exists() and not list(out.glob("*.png"))
 
 
+def test_plan_grid_runs_unbounded_methods_once_without_a_budget():
+    specs = plan_grid(["full", "streamingllm", "full"], [64, 32, 64])
+    assert specs == [RunSpec("full", None), RunSpec("streamingllm", 64), RunSpec("streamingllm", 32)]
+    assert [spec.label for spec in specs] == ["full", "streamingllm · cache 64", "streamingllm · cache 32"]
+    assert plan_grid(["full"], []) == [RunSpec("full", None)]  # no budget needed when every method is unbounded
+
+
 def test_smooth_curve_weights_blocks_by_scored_tokens():
     curve = [[15, 1.0], [31, 3.0], [47, None], [63, 2.0]]  # blocks of 16; the first scores 15 tokens
     assert smooth_curve(curve, 16) == [(15, 1.0), (31, 3.0), (63, 2.0)]
@@ -210,6 +218,6 @@ def test_plots_of_runs_from_different_settings(tmp_path):
     paths = plot_results(results, tmp_path)
     assert [p.name for p in paths] == ["ppl_vs_cache.png", "nll_vs_position.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
-    lines, common = kvcli.bench._series(results["runs"])
+    lines, common = kvcli.bench.plots._series(results["runs"])
     assert set(lines) == {"full · a", "streamingllm · a", "streamingllm · b"}
     assert "64 tokens" in common

@@ -1,6 +1,6 @@
 """Engine throughput next to plain transformers baselines on the same tokens (a script, not a test).
 
-    python -m kvcli.benchmarks BOOK --tokens 32768 --cache 1024 --block 256
+    python -m kvcli.bench.throughput BOOK --tokens 32768 --cache 1024 --block 256
 
 prints, for the same token stream, model and dtype:
 
@@ -11,10 +11,12 @@ prints, for the same token stream, model and dtype:
 * ``plain-forward``: when the tokens fit the model's trained context, the perplexity of one plain forward
   pass over all of them, next to the engine's (with ``--method full`` the two must agree).
 
-    python -m kvcli.benchmarks --attention
+    python -m kvcli.bench.throughput --attention
 
 times one layer's attention instead (no model, no book): kvcli's explicit path against SDPA plus the
 observation window, for the shapes that decide ``attention.CAUSAL_KERNEL_FROM``.
+
+The numbers it printed, and on what machine, are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -32,21 +34,21 @@ from kvcli.models import load_model
 from kvcli.text import first_tokens, open_source
 
 
-def plain_blocks(model, ids: torch.Tensor, block: int, cache: int) -> float:
-    """Tokens/s of stock forwards of ``block`` tokens against a ``cache``-token DynamicCache."""
+def plain_blocks(model, ids: torch.Tensor, block: int, budget: int) -> float:
+    """Tokens/s of stock forwards of ``block`` tokens against a DynamicCache cropped back to ``budget`` tokens."""
     from transformers import DynamicCache
 
     model.set_attn_implementation("sdpa")
     try:
         past = DynamicCache(config=model.config)
         with torch.inference_mode():
-            model(input_ids=ids[None, :cache], past_key_values=past, use_cache=True)
+            model(input_ids=ids[None, :budget], past_key_values=past, use_cache=True)
             started = time.perf_counter()
             done = 0
-            for start in range(cache, ids.shape[0] - block + 1, block):
+            for start in range(budget, ids.shape[0] - block + 1, block):
                 model(input_ids=ids[None, start:start + block], past_key_values=past, use_cache=True,
-                      position_ids=torch.arange(cache, cache + block)[None])
-                past.crop(-block)  # back to `cache` tokens: the cost of the next block is what matters
+                      position_ids=torch.arange(budget, budget + block)[None])
+                past.crop(-block)  # back to `budget` tokens: the cost of the next block is what matters
                 done += block
         return done / (time.perf_counter() - started)
     finally:
