@@ -10,12 +10,36 @@ from __future__ import annotations
 
 import sys
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from kvcli.cli import analyze, bench, listing, needle, perplexity, reading
 from kvcli.errors import BudgetError, KvcliError, UsageError
 
+
+class KvcliGroup(TyperGroup):
+    """Turns the user's mistakes into one line on stderr and an exit code, inside the app itself, so
+    the console script and an in-process runner (tests, notebooks) behave the same."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except BudgetError as exc:  # every command sets the budget with --cache
+            _fail(ctx, exc.for_flag("--cache"), 2)
+        except UsageError as exc:
+            _fail(ctx, str(exc), 2)
+        except KvcliError as exc:
+            _fail(ctx, str(exc), 1)
+
+
+def _fail(ctx: click.Context, message: str, code: int) -> None:
+    click.echo(f"kvcli: error: {message}", err=True)
+    ctx.exit(code)
+
+
 app = typer.Typer(
+    cls=KvcliGroup,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -32,18 +56,9 @@ app.command()(listing.presets)
 
 
 def main() -> None:
-    """Console entry point: turn user errors into one line on stderr instead of a traceback."""
+    """Console entry point: Ctrl-C outside a measurement and a closed stdout end quietly too."""
     try:
         app()
-    except BudgetError as exc:  # every command sets the budget with --cache
-        print(f"kvcli: error: {exc.for_flag('--cache')}", file=sys.stderr)
-        sys.exit(2)
-    except UsageError as exc:
-        print(f"kvcli: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except KvcliError as exc:
-        print(f"kvcli: error: {exc}", file=sys.stderr)
-        sys.exit(1)
     except KeyboardInterrupt:
         print("kvcli: interrupted", file=sys.stderr)
         sys.exit(130)
