@@ -155,7 +155,7 @@ def test_other_settings_are_kept_and_only_exact_matches_skipped(tiny_model_dir, 
     [
         (["--methods", "streamingllm,nosuch"], "unknown method 'nosuch'", 2),
         (["--cache", "256,abc"], "--cache", 2),
-        (["--cache", "256,0"], "--cache must be positive", 2),
+        (["--cache", "256,0"], "--cache must be a positive number", 2),
         (["--methods", "streamingllm", "--cache", "3"], "--cache 3", 2),
         (["-o", "nosuch=1"], "nosuch", 2),
         (["--max-tokens", "0"], "--max-tokens", 2),
