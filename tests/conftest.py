@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama saved as a local model folder, and the embedded GGUF model."""
+"""Shared fixtures: the CLI runner, a short book, a tiny random Llama saved as a local model folder, and the
+embedded GGUF model."""
 
 from __future__ import annotations
 
@@ -56,3 +57,39 @@ def smollm():
     from kvcli.models import load_model
 
     return load_model("smollm2-135m")
+
+
+#: A short public-domain paragraph, repeated: a few hundred tokens, enough for several blocks of a tiny model.
+TEXT = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to "
+        "do: once or twice she had peeped into the book her sister was reading. ") * 12
+
+
+@pytest.fixture(scope="session")
+def invoke():
+    """``invoke("ppl", BOOK, ...)`` runs kvcli in-process as a user would: results on ``stdout``, one-line
+    errors on ``stderr`` and the CLI's exit codes (the app handles them itself)."""
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+
+    runner = CliRunner()
+
+    def run(*args, input: str | bytes | None = None):
+        return runner.invoke(app, [str(arg) for arg in args], input=input, catch_exceptions=False)
+
+    return run
+
+
+@pytest.fixture()
+def book(tmp_path) -> Path:
+    """A short book file (:data:`TEXT`)."""
+    path = tmp_path / "book.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture()
+def config_home(tmp_path, monkeypatch) -> Path:
+    """An empty user configuration folder, so user presets on this machine do not leak into a test."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "config"

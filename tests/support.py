@@ -13,15 +13,18 @@ from kvcli.cache import AttentionRecord, KVCache, LayerView
 
 
 def make_cache(num_layers: int = 1, kv_heads: int = 2, head_dim: int = 8) -> KVCache:
+    """An empty cache whose layers already hold ``kv_heads`` heads of ``head_dim`` (no tokens yet)."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     cache = KVCache(num_layers, inv_freq)
-    cache.head_shape = (kv_heads, head_dim)
+    empty = torch.empty(1, kv_heads, 0, head_dim)
+    for layer in cache.layers:
+        layer.lazy_initialization(empty, empty)
     return cache
 
 
 def append_tokens(cache: KVCache, count: int) -> None:
     """Add ``count`` tokens with random keys/values to every layer, as a forward pass would."""
-    kv_heads, head_dim = cache.head_shape
+    _, kv_heads, _, head_dim = cache.layers[0].keys.shape
     cache.block_start = cache.next_position()
     for layer in cache.layers:
         layer.update(torch.randn(1, kv_heads, count, head_dim), torch.randn(1, kv_heads, count, head_dim))

@@ -3,37 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from typer.testing import CliRunner
-
-from kvcli.cli import app
-
-runner = CliRunner()
-TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 20
+from conftest import TEXT
 
 
-@pytest.fixture()
-def text_file(tmp_path):
-    path = tmp_path / "book.txt"
-    path.write_text(TEXT, encoding="utf-8")
-    return path
-
-
-def invoke(*args: str, input: str | None = None):
-    result = runner.invoke(app, list(args), input=input, catch_exceptions=False)
-    return result
-
-
-def run_kvcli(*args: str, input: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcli", *args], input=input, capture_output=True, timeout=300)
-
-
-def test_ppl_json_has_the_documented_keys(tiny_model_dir, text_file):
-    result = invoke("ppl", str(text_file), "--model", str(tiny_model_dir), "--method", "streamingllm",
+def test_ppl_json_has_the_documented_keys(invoke, tiny_model_dir, book):
+    result = invoke("ppl", str(book), "--model", str(tiny_model_dir), "--method", "streamingllm",
                     "--cache", "64", "--block", "32", "--max-tokens", "300", "--json", "--quiet")
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
@@ -46,9 +22,9 @@ def test_ppl_json_has_the_documented_keys(tiny_model_dir, text_file):
     assert 0 < data["bits_per_byte"] < 100 and data["peak_memory_bytes"] > 0
 
 
-def test_ppl_text_summary_and_jsonl_curve(tiny_model_dir, text_file, tmp_path):
+def test_ppl_text_summary_and_jsonl_curve(invoke, tiny_model_dir, book, tmp_path):
     curve = tmp_path / "curve.jsonl"
-    result = invoke("ppl", str(text_file), "--model", str(tiny_model_dir), "--cache", "48", "--block", "16",
+    result = invoke("ppl", str(book), "--model", str(tiny_model_dir), "--cache", "48", "--block", "16",
                     "--max-tokens", "100", "--jsonl", str(curve), "--quiet")
     assert result.exit_code == 0
     assert result.stdout.startswith("perplexity ")
@@ -58,14 +34,14 @@ def test_ppl_text_summary_and_jsonl_curve(tiny_model_dir, text_file, tmp_path):
     assert max(r["cache_tokens"] for r in records) <= 48
 
 
-def test_stdin_source(tiny_model_dir):
+def test_stdin_source(invoke, tiny_model_dir):
     result = invoke("ppl", "-", "--model", str(tiny_model_dir), "--cache", "64", "--max-tokens", "50", "--json",
                     "--quiet", input=TEXT)
     assert result.exit_code == 0
     assert json.loads(result.stdout)["tokens"] == 50
 
 
-def test_documents_fresh_cache_versus_one_stream(tiny_model_dir, tmp_path):
+def test_documents_fresh_cache_versus_one_stream(invoke, tiny_model_dir, tmp_path):
     folder = tmp_path / "books"
     folder.mkdir()
     (folder / "a.txt").write_text(TEXT)
@@ -80,14 +56,14 @@ def test_documents_fresh_cache_versus_one_stream(tiny_model_dir, tmp_path):
     assert per_doc["nll"] == pytest.approx(weighted, rel=1e-9)
 
 
-def test_sliding_window_protocol(tiny_model_dir, text_file):
-    result = invoke("ppl", str(text_file), "--model", str(tiny_model_dir), "--method", "full", "--context", "64",
+def test_sliding_window_protocol(invoke, tiny_model_dir, book):
+    result = invoke("ppl", str(book), "--model", str(tiny_model_dir), "--method", "full", "--context", "64",
                     "--stride", "32", "--max-tokens", "200", "--json", "--quiet")
     data = json.loads(result.stdout)
     assert data["protocol"] == "sliding" and data["tokens"] == 200
 
 
-def test_methods_json_lists_names_descriptions_params():
+def test_methods_json_lists_names_descriptions_params(invoke):
     data = json.loads(invoke("methods", "--json").stdout)
     names = {m["name"] for m in data}
     assert {"full", "streamingllm"} <= names
@@ -105,23 +81,36 @@ def test_methods_json_lists_names_descriptions_params():
         (["ppl", "BOOK", "--model", "/no/such/model.gguf"], "no such model file", 1),
     ],
 )
-def test_errors_are_one_line_without_traceback(args, message, code, text_file, tmp_path, tiny_model_dir):
+def test_errors_are_one_line_without_traceback(invoke, args, message, code, book, tmp_path, tiny_model_dir):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
-    args = [str(text_file) if a == "BOOK" else str(empty) if a == "EMPTY" else str(tiny_model_dir) if a == "MODEL"
+    args = [str(book) if a == "BOOK" else str(empty) if a == "EMPTY" else str(tiny_model_dir) if a == "MODEL"
             else a for a in args]
-    proc = run_kvcli(*args, "--quiet")
-    stderr = proc.stderr.decode()
-    assert proc.returncode == code, stderr
-    assert proc.stdout == b""
-    assert message in stderr and "Traceback" not in stderr
-    assert len(stderr.strip().splitlines()) == 1
+    result = invoke(*args, "--quiet")
+    assert result.exit_code == code, result.stderr
+    assert result.stdout == ""
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_latin1_input_warns_once_and_runs(tiny_model_dir, tmp_path):
+def test_latin1_input_warns_once_and_runs(invoke, tiny_model_dir, tmp_path):
     path = tmp_path / "latin.txt"
     path.write_bytes(("Caf\xe9 cr\xe8me br\xfbl\xe9e. " * 30).encode("latin-1"))
-    proc = run_kvcli("ppl", str(path), "--model", str(tiny_model_dir), "--cache", "64", "--json")
-    assert proc.returncode == 0, proc.stderr.decode()
-    assert json.loads(proc.stdout)["tokens"] > 0
-    assert proc.stderr.decode().lower().count("utf-8") == 1
+    result = invoke("ppl", str(path), "--model", str(tiny_model_dir), "--cache", "64", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["tokens"] > 0
+    assert result.stderr.lower().count("utf-8") == 1
+
+
+@pytest.mark.parametrize("module", ["kvcli", "kvcli.cli"])
+def test_both_module_entry_points_list_every_command(module):
+    import subprocess
+    import sys
+
+    from kvcli.cli import app
+
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    names = [command.name or command.callback.__name__ for command in app.registered_commands]
+    assert len(names) == 8
+    assert all(f" {name} " in proc.stdout for name in names)
