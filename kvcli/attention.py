@@ -4,7 +4,7 @@ It does two things the stock SDPA path cannot: it builds the block-causal mask o
 queries against a compressed cache whose length has nothing to do with positions, and it records
 the attention that the last few queries pay to every cached key, which is what SnapKV, H2O,
 TOVA, TreeKV and PyramidInfer score tokens with. On the CPU a block against the cache goes through
-:func:`explicit_attention` (bf16 matmuls, faster here, probabilities for free); a long prefill and
+:func:`explicit_attention` (bf16 matmuls, probabilities for free); a long prefill and
 every GPU call go through :func:`sdpa_attention`, which materialises only the observation window.
 """
 
@@ -21,9 +21,8 @@ from kvcli.cache import AttentionRecord, KVCache
 ATTENTION_NAME = "kvcli"
 
 #: From this many queries on, a prefill into an empty cache uses SDPA's causal kernel on the CPU too:
-#: it never materialises the ``n x n`` probabilities, which makes a 6,000-token prefill about 2x
-#: faster here (1.02 s against 0.49 s per layer, ``python -m kvcli.bench.throughput --attention``) and
-#: never allocates the 1.3 GB of bf16 logits and probabilities (2 x 9 heads x 6000 x 6000) either.
+#: it never materialises the ``n x n`` probabilities, which costs more time and memory than the fused
+#: kernel at these lengths (timings in docs/benchmarks.md, ``python -m kvcli.bench.throughput --attention``).
 CAUSAL_KERNEL_FROM = 1024
 
 
@@ -54,10 +53,9 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention as two batched matmuls around a softmax, returning the window's probabilities too.
 
-    On CPUs with AMX the matmuls run at the bf16 rate while the fused SDPA kernel does not (about
-    2x slower here for a 256-token block against a 1024-token cache), and the probabilities the
-    methods score with come for free. Query heads are grouped under their KV head (GQA) instead of
-    repeating keys and values.
+    On CPUs with AMX the matmuls run at the bf16 rate while the fused SDPA kernel does not (timings
+    in docs/benchmarks.md), and the probabilities the methods score with come for free. Query heads
+    are grouped under their KV head (GQA) instead of repeating keys and values.
     """
     _, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]

@@ -143,7 +143,7 @@ class Engine:
         if self.trained_context and end > self.trained_context and not self._warned_context:
             self._warned_context = True
             self.warn(f"positions reach {end}, past the model's trained context of {self.trained_context}: "
-                      "quality will degrade (use a compressing --method or a smaller --cache/--block)")
+                      "quality will degrade (use a compressing method or a smaller budget or block)")
         positions = torch.arange(start, end, device=self.device)[None, :]
         cache.probing = not store
         try:
@@ -161,8 +161,8 @@ class Engine:
     def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 64) -> torch.Tensor:
         """NLL (nats, float32) of ``targets[i]`` given ``hidden[i]``, projecting a few rows at a time.
 
-        Chunks keep the logits in the CPU's cache and skip the full log-softmax output, which beats
-        ``cross_entropy`` over the whole block (docs/benchmarks.md).
+        Chunks keep the logits small enough for the CPU's caches and never build the block's full
+        log-softmax output, which ``cross_entropy`` over the whole block would.
         """
         out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
         targets = targets.to(hidden.device)

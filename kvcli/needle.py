@@ -21,12 +21,10 @@ from kvcli.generate import Reader, build_prompt, encode, question_instruction, s
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer with the number only."
-#: Starts the answer, as in the pass-key prompts of the long-context literature: without it a 135M
-#: chat model often chats instead of answering (3/10 against 9/10 with it, full attention, 1.5k tokens).
-#: The trailing space matters: tokenizers write the space before a number as a token of its own, so the
-#: prompt then ends exactly where the key starts in the needle ("is", " ", digits) and the model copies
-#: it; without the space it often goes on "is a very fine piece of work" (full attention, 6k tokens,
-#: Tale of Two Cities and Pride and Prejudice: 16/20 without the space, 20/20 with it).
+#: Starts the answer, as in the pass-key prompts of the long-context literature, so that a small chat
+#: model answers instead of chatting. The trailing space matters: tokenizers write the space before a
+#: number as a token of its own, so the prompt ends exactly where the key starts in the needle ("is",
+#: " ", digits) and the model copies it (measurements with and without: docs/reading.md).
 ANSWER_PREFIX = "The pass key is "
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 DEFAULT_LENGTHS = (6000,)
@@ -134,7 +132,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
     if min(lengths) < 1:
         raise UsageError("lengths must be positive")
     if len(tokens) < longest:
-        raise UsageError(f"the source has {len(tokens):,} tokens; --lengths {longest:,} needs a longer book")
+        raise UsageError(f"the source has {len(tokens):,} tokens; a haystack of {longest:,} needs a longer book")
     built = {}
     for name in methods:
         built[name] = make_method(name, (options or {}).get(name))

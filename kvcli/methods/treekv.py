@@ -150,8 +150,7 @@ class TreeKV(Method):
     def is_prefill(view: LayerView) -> bool:
         """A call that fills an empty cache is a prompt's prefill, which the paper compresses in blocks
         (section 4.2); a call that extends a cache continues a stream, which its language-modelling
-        experiments (section 5.2) evict token by token. Measured: token level in 256-token streaming
-        blocks gives lower perplexity than 16-token units (docs/methods.md)."""
+        experiments (section 5.2) evict token by token (the two compared in docs/methods.md)."""
         return view.num_new == view.length and view.num_new > 1
 
     def _accumulate(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
