@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from kvcli.analysis import (
     AttentionSample,
@@ -29,10 +27,8 @@ from kvcli.analysis import (
     spearman,
     wavelet_magnitudes,
 )
-from kvcli.cli import app, main
 from kvcli.models import tiny_llama
 
-runner = CliRunner()
 R2 = math.sqrt(2.0)
 
 
@@ -226,14 +222,14 @@ def analyze_args(book, model_dir, out, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def book(books):
+def dracula(books):
     return books / "pg345-dracula.txt"
 
 
-def test_analyze_writes_json_with_four_sections_and_pngs(tiny_model_dir, book, tmp_path):
+def test_analyze_writes_json_with_four_sections_and_pngs(invoke, tiny_model_dir, dracula, tmp_path):
     from kvcli.plots import have_matplotlib
 
-    result = runner.invoke(app, analyze_args(book, tiny_model_dir, tmp_path / "out"), catch_exceptions=False)
+    result = invoke(*analyze_args(dracula, tiny_model_dir, tmp_path / "out"))
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith("analyzed 160 tokens") and "PoD groups" in result.stdout
     data = json.loads((tmp_path / "out" / "analysis.json").read_text())
@@ -259,23 +255,13 @@ def test_analyze_writes_json_with_four_sections_and_pngs(tiny_model_dir, book, t
             assert (tmp_path / "out" / f"{name}.png").stat().st_size > 1000
 
 
-def test_analyze_json_stdout_is_pure_json(tiny_model_dir, book, tmp_path):
-    result = runner.invoke(app, analyze_args(book, tiny_model_dir, tmp_path, "--json", "--methods", "treekv,full"),
-                           catch_exceptions=False)
+def test_analyze_json_stdout_is_pure_json(invoke, tiny_model_dir, dracula, tmp_path):
+    result = invoke(*analyze_args(dracula, tiny_model_dir, tmp_path, "--json", "--methods", "treekv,full"))
     assert result.exit_code == 0
     data = json.loads(result.stdout)
     assert data == json.loads((tmp_path / "analysis.json").read_text())
     assert list(data["positions"]["methods"]) == ["treekv", "full"]
     assert data["positions"]["methods"]["full"]["cache_tokens"] == [160, 160]
-
-
-def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """``kvcli ARGS`` through the console entry point, in process (errors become one line there)."""
-    monkeypatch.setattr(sys, "argv", ["kvcli", *args])
-    with pytest.raises(SystemExit) as exited:
-        main()
-    captured = capsys.readouterr()
-    return exited.value.code, captured.out, captured.err
 
 
 @pytest.mark.parametrize(
@@ -287,10 +273,9 @@ def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         ({"extra": ["--queries", "0"]}, "--queries", 2),
     ],
 )
-def test_errors_are_one_line_without_traceback(monkeypatch, capsys, tiny_model_dir, book, tmp_path, change, message,
-                                               code):
-    args = analyze_args(change.get("book", book), tiny_model_dir, tmp_path, *change.get("extra", []))
-    exit_code, out, err = run_main(monkeypatch, capsys, *args)
-    assert exit_code == code, err
-    assert out == "" and message in err and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1
+def test_errors_are_one_line_without_traceback(invoke, tiny_model_dir, dracula, tmp_path, change, message, code):
+    args = analyze_args(change.get("book", dracula), tiny_model_dir, tmp_path, *change.get("extra", []))
+    result = invoke(*args)
+    assert result.exit_code == code, result.stderr
+    assert result.stdout == "" and message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

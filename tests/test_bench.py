@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from typer.testing import CliRunner
 
 import kvcli.bench.grid
 import kvcli.bench.plots
 from kvcli.bench import RunSpec, plan_grid, plot_results, smooth_curve
-from kvcli.cli import app, main
 from kvcli.plots import have_matplotlib
 
-runner = CliRunner()
 RUN_KEYS = {"model", "source", "method", "params", "cache", "block", "tokens", "nll", "ppl", "bits_per_byte", "bytes",
             "kv_cache_bytes", "full_kv_cache_bytes", "max_cache_tokens", "peak_memory_bytes", "seconds",
             "tokens_per_second", "device", "dtype", "curve", "finished"}
@@ -22,23 +18,19 @@ TEXT = ("It was the best of times, it was the worst of times, it was the age of 
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 8
 
 
-def bench(*args: str):
-    return runner.invoke(app, ["bench", *args], catch_exceptions=False)
-
-
 @pytest.fixture()
-def book(books):
+def alice(books):
     return str(books / "pg11-alice-in-wonderland.txt")
 
 
-def grid_args(model, book, out, *extra: str) -> list[str]:
-    return [book, "--model", str(model), "--methods", "full,streamingllm,treekv", "--cache", "32,64", "--block",
+def grid_args(model, alice, out, *extra: str) -> list[str]:
+    return [alice, "--model", str(model), "--methods", "full,streamingllm,treekv", "--cache", "32,64", "--block",
             "16", "--max-tokens", "200", "--out", str(out), *extra]
 
 
-def test_grid_writes_results_table_and_plots(tiny_model_dir, book, tmp_path):
+def test_grid_writes_results_table_and_plots(invoke, tiny_model_dir, alice, tmp_path):
     out = tmp_path / "out"
-    result = bench(*grid_args(tiny_model_dir, book, out))
+    result = invoke("bench", *grid_args(tiny_model_dir, alice, out))
     assert result.exit_code == 0, result.stderr
     assert "perplexity" in result.stdout and "treekv" in result.stdout and "bits/byte" in result.stdout
     data = json.loads((out / "results.json").read_text())
@@ -58,56 +50,56 @@ def test_grid_writes_results_table_and_plots(tiny_model_dir, book, tmp_path):
             assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_rerun_skips_finished_runs_without_measuring(tiny_model_dir, book, tmp_path, monkeypatch):
+def test_rerun_skips_finished_runs_without_measuring(invoke, tiny_model_dir, alice, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    assert bench(*grid_args(tiny_model_dir, book, out, "--no-plot")).exit_code == 0
+    assert invoke("bench", *grid_args(tiny_model_dir, alice, out, "--no-plot")).exit_code == 0
     before = (out / "results.json").read_bytes()
 
     def fail(*args, **kwargs):
         raise AssertionError("a finished run was measured again")
 
     monkeypatch.setattr(kvcli.bench.grid, "measure", fail)
-    result = bench(*grid_args(tiny_model_dir, book, out, "--json"))
+    result = invoke("bench", *grid_args(tiny_model_dir, alice, out, "--json"))
     assert result.exit_code == 0
     assert "skipping 5 finished runs" in result.stderr
     assert (out / "results.json").read_bytes() == before
     data = json.loads(result.stdout)
     assert data["skipped"] == 5 and data["measured"] == 0 and len(data["runs"]) == 5
 
-    table = bench(*grid_args(tiny_model_dir, book, out, "--no-plot", "--markdown")).stdout
+    table = invoke("bench", *grid_args(tiny_model_dir, alice, out, "--no-plot", "--markdown")).stdout
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert rows[0].split("|")[1].strip() == "method" and set(rows[1]) <= set("|-: ")
     assert len(rows) == 2 + 5 and rows[2].split("|")[1].strip() == "full"
 
 
-def test_json_stdout_is_one_object(tiny_model_dir, book, tmp_path):
-    result = bench(book, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "48", "--block",
-                   "16", "--max-tokens", "64", "--out", str(tmp_path / "out"), "--json", "--no-plot")
+def test_json_stdout_is_one_object(invoke, tiny_model_dir, alice, tmp_path):
+    result = invoke("bench", alice, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "48",
+                    "--block", "16", "--max-tokens", "64", "--out", str(tmp_path / "out"), "--json", "--no-plot")
     assert result.exit_code == 0
     data = json.loads(result.stdout)
     assert data["tokens"] == 64 and data["interrupted"] is False and data["results"].endswith("results.json")
     assert [run["method"] for run in data["runs"]] == ["streamingllm"] and data["runs"][0]["curve"]
 
 
-def test_bench_scores_what_ppl_stream_scores(tiny_model_dir, tmp_path):
+def test_bench_scores_what_ppl_stream_scores(invoke, tiny_model_dir, tmp_path):
     """The shared token stream is exactly `ppl --stream`'s: same tokens, bytes and perplexity."""
     folder = tmp_path / "docs"
     folder.mkdir()
     (folder / "a.txt").write_text(TEXT)
     (folder / "b.txt").write_text(TEXT[::-1])
     common = ["--model", str(tiny_model_dir), "--block", "16", "--max-tokens", "150", "--json", "--quiet"]
-    ppl = json.loads(runner.invoke(app, ["ppl", str(folder), "--stream", "--method", "h2o", "--cache", "40",
+    ppl = json.loads(invoke(*["ppl", str(folder), "--stream", "--method", "h2o", "--cache", "40",
                                          *common]).stdout)
-    run = json.loads(bench(str(folder), "--methods", "h2o", "--cache", "40", "--out", str(tmp_path / "out"),
+    run = json.loads(invoke("bench", str(folder), "--methods", "h2o", "--cache", "40", "--out", str(tmp_path / "out"),
                            "--no-plot", *common).stdout)["runs"][0]
     for key in ("tokens", "bytes", "nll", "ppl", "bits_per_byte", "kv_cache_bytes", "full_kv_cache_bytes",
                 "max_cache_tokens", "params"):
         assert run[key] == ppl[key], key
 
 
-def test_interrupted_grid_keeps_finished_runs_and_resumes(tiny_model_dir, book, tmp_path, monkeypatch):
+def test_interrupted_grid_keeps_finished_runs_and_resumes(invoke, tiny_model_dir, alice, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    args = [book, "--model", str(tiny_model_dir), "--methods", "streamingllm,tova", "--cache", "32,64", "--block",
+    args = [alice, "--model", str(tiny_model_dir), "--methods", "streamingllm,tova", "--cache", "32,64", "--block",
             "16", "--max-tokens", "120", "--out", str(out), "--no-plot"]
     real_measure = kvcli.bench.grid.measure
     calls = []
@@ -119,7 +111,7 @@ def test_interrupted_grid_keeps_finished_runs_and_resumes(tiny_model_dir, book, 
         return totals, peak
 
     monkeypatch.setattr(kvcli.bench.grid, "measure", interrupted_third)
-    result = bench(*args)
+    result = invoke("bench", *args)
     assert result.exit_code == 130
     assert "interrupted" in result.stdout and "streamingllm" in result.stdout and "tova" not in result.stdout
     first = json.loads((out / "results.json").read_text())["runs"]
@@ -127,7 +119,7 @@ def test_interrupted_grid_keeps_finished_runs_and_resumes(tiny_model_dir, book, 
     assert not list(out.glob(".*tmp"))
 
     monkeypatch.setattr(kvcli.bench.grid, "measure", real_measure)
-    result = bench(*args)
+    result = invoke("bench", *args)
     assert result.exit_code == 0 and "skipping 2 finished runs" in result.stderr
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [(r["method"], r["cache"]) for r in runs] == [("streamingllm", 32), ("streamingllm", 64), ("tova", 32),
@@ -135,16 +127,16 @@ def test_interrupted_grid_keeps_finished_runs_and_resumes(tiny_model_dir, book, 
     assert runs[:2] == first
 
 
-def test_other_settings_are_kept_and_only_exact_matches_skipped(tiny_model_dir, book, tmp_path):
+def test_other_settings_are_kept_and_only_exact_matches_skipped(invoke, tiny_model_dir, alice, tmp_path):
     out = tmp_path / "out"
     common = ["--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "32", "--block", "16",
               "--out", str(out), "--json", "--quiet"]
-    bench(book, "--max-tokens", "100", *common, "--no-plot")
-    longer = json.loads(bench(book, "--max-tokens", "150", *common).stdout)
+    invoke("bench", alice, "--max-tokens", "100", *common, "--no-plot")
+    longer = json.loads(invoke("bench", alice, "--max-tokens", "150", *common).stdout)
     assert longer["skipped"] == 0 and [r["tokens"] for r in longer["runs"]] == [150]
-    options = json.loads(bench(book, "--max-tokens", "150", *common, "-o", "sinks=2").stdout)
+    options = json.loads(invoke("bench", alice, "--max-tokens", "150", *common, "-o", "sinks=2").stdout)
     assert options["skipped"] == 0 and options["runs"][0]["params"]["sinks"] == 2
-    same = json.loads(bench(book, "--max-tokens", "150", *common, "-o", "sinks=4").stdout)  # the default
+    same = json.loads(invoke("bench", alice, "--max-tokens", "150", *common, "-o", "sinks=4").stdout)  # the default
     assert same["skipped"] == 1
     stored = json.loads((out / "results.json").read_text())["runs"]
     assert sorted((r["tokens"], r["params"]["sinks"]) for r in stored) == [(100, 4), (150, 2), (150, 4)]
@@ -162,29 +154,25 @@ def test_other_settings_are_kept_and_only_exact_matches_skipped(tiny_model_dir, 
         (["--out", "NOTRESULTS"], "not a kvcli bench results file", 1),
     ],
 )
-def test_bad_input_is_one_line_before_loading_the_model(args, message, code, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_before_loading_the_model(invoke, args, message, code, tmp_path, monkeypatch, capsys):
     """--model does not exist: each error must come from checking the arguments, not from loading."""
-    book = tmp_path / "book.txt"
-    book.write_text(TEXT)
+    alice = tmp_path / "book.txt"
+    alice.write_text(TEXT)
     bad_out = tmp_path / "other"
     bad_out.mkdir()
     (bad_out / "results.json").write_text("not json")
     args = [str(bad_out) if a == "NOTRESULTS" else a for a in args]
-    monkeypatch.setattr(sys, "argv", ["kvcli", "bench", str(book), "--model", "/no/such/model", "--out",
-                                      str(tmp_path / "out"), *args])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    captured = capsys.readouterr()
-    assert exit_info.value.code == code, captured.err
-    assert captured.out == ""
-    assert message in captured.err and len(captured.err.strip().splitlines()) == 1
+    result = invoke("bench", alice, "--model", "/no/such/model", "--out", tmp_path / "out", *args)
+    assert result.exit_code == code, result.stderr
+    assert result.stdout == ""
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_without_matplotlib_warns_once_and_writes_results(tiny_model_dir, book, tmp_path, monkeypatch):
+def test_without_matplotlib_warns_once_and_writes_results(invoke, tiny_model_dir, alice, tmp_path, monkeypatch):
     monkeypatch.setattr("kvcli.plots.have_matplotlib", lambda: False)
     out = tmp_path / "out"
-    result = bench(book, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "32", "--block",
-                   "16", "--max-tokens", "50", "--out", str(out))
+    result = invoke("bench", alice, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "32",
+                    "--block", "16", "--max-tokens", "50", "--out", str(out))
     assert result.exit_code == 0
     assert result.stderr.count("matplotlib") == 1
     assert (out / "results.json").exists() and not list(out.glob("*.png"))

@@ -86,15 +86,15 @@ def plan_grid(methods: Sequence[str], budgets: Sequence[int],
     typo fails in a second rather than after the model has loaded and half the grid has run.
     """
     if not methods:
-        raise UsageError("--methods is empty")
+        raise UsageError("no methods to run")
     for name in methods:
         if name not in METHODS:
             raise UsageError(f"unknown method {name!r}; choose from: {', '.join(sorted(METHODS))}")
     for budget in budgets:
         if budget < 1:
-            raise UsageError(f"--cache must be positive numbers of tokens, not {budget}")
+            raise UsageError(f"budgets must be positive numbers of tokens, not {budget}")
     if not budgets and any(not METHODS[name].unbounded for name in methods):
-        raise UsageError("--cache is empty")
+        raise UsageError("no budget for the methods that need one")
     specs = []
     for name in dict.fromkeys(methods):
         opts = tuple(sorted((options or {}).get(name, {}).items()))
