@@ -97,26 +97,38 @@ class Setup:
         return Engine(loaded.model, method, budget, block=block, warn=self.say)
 
 
-_SHARED = [
-    inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=annotation)
+def options_bundle(argument: str, build: Callable[..., Any], parameters: list[inspect.Parameter]
+                   ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator that adds ``parameters`` to a command's signature (Typer sees them as options) and
+    passes the command ``build(**their values)`` as its ``argument`` instead."""
+    names = [p.name for p in parameters]
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != argument]
+
+        @functools.wraps(command)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            kwargs[argument] = build(**{name: kwargs.pop(name) for name in names})
+            return command(*args, **kwargs)
+
+        wrapper.__signature__ = signature.replace(parameters=[*own, *parameters])  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate
+
+
+def keyword(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+#: Gives a command the shared options: Typer sees them in the signature, the command gets a
+#: :class:`Setup` as its ``setup`` argument instead.
+with_setup = options_bundle("setup", Setup, [
+    keyword(field.name, annotation, field.default)
     for field, annotation in zip(dataclasses.fields(Setup), (ModelOpt, DeviceOpt, DtypeOpt, DeviceMapOpt, FourBitOpt,
                                                              EightBitOpt, EncodingOpt, QuietOpt), strict=True)
-]
-
-
-def with_setup(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Give ``command`` the shared options: Typer sees them in the signature, the command gets a
-    :class:`Setup` as its ``setup`` argument instead."""
-    signature = inspect.signature(command, eval_str=True)
-    own = [p for p in signature.parameters.values() if p.name != "setup"]
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        setup = Setup(**{p.name: kwargs.pop(p.name) for p in _SHARED})
-        return command(*args, setup=setup, **kwargs)
-
-    wrapper.__signature__ = signature.replace(parameters=[*own, *_SHARED])  # type: ignore[attr-defined]
-    return wrapper
+])
 
 
 def explicit(ctx: typer.Context, name: str) -> bool:

@@ -21,6 +21,8 @@ from kvcli.cli.options import (
     build_method,
     check_at_least,
     explicit,
+    keyword,
+    options_bundle,
     parse_options,
     with_setup,
 )
@@ -57,12 +59,31 @@ class ReadOptions:
     block: int
     options: dict
     max_new_tokens: int
+    answer_prefix: str
     temperature: float
     seed: int
     json_out: bool
+    presets: list[str]
     one_shot: bool | None
     probe: bool
     stop: list[str]
+
+
+def with_reading(max_new_tokens: int):
+    """The options ``summarize`` and ``ask`` share, handed to the command as one :class:`ReadOptions` (``read``)."""
+
+    def build(method, cache, block, option, max_new_tokens, answer_prefix, temperature, seed, json_out, preset,
+              one_shot, probe, stop) -> ReadOptions:
+        return ReadOptions(method, cache, block, parse_options(option), max_new_tokens, answer_prefix, temperature,
+                           seed, json_out, preset or [], one_shot, probe, stop or [])
+
+    return options_bundle("read", build, [
+        keyword("method", MethodOpt, "treekv"), keyword("cache", CacheOpt, 1024), keyword("block", BlockOpt, 256),
+        keyword("option", OptionOpt, None), keyword("max_new_tokens", MaxNewOpt, max_new_tokens),
+        keyword("answer_prefix", AnswerPrefixOpt, ""), keyword("temperature", TemperatureOpt, 0.0),
+        keyword("seed", SeedOpt, 0), keyword("json_out", JsonOpt, False), keyword("preset", PresetOpt, None),
+        keyword("one_shot", OneShotOpt, None), keyword("probe", ProbeOpt, True), keyword("stop", StopOpt, None),
+    ])
 
 
 # Preset keys and the object whose field of that name they fill when the user left it at its default.
@@ -83,8 +104,8 @@ def apply_presets(ctx: typer.Context, specs: list[str] | None, setup: Setup, rea
                                       stop=list(dict.fromkeys([*merged.get("stop", []), *read.stop])))
 
 
-def read_and_write(ctx: typer.Context, command: str, source: str, instruction, presets: list[str] | None,
-                   setup: Setup, read: ReadOptions) -> None:
+def read_and_write(ctx: typer.Context, command: str, source: str, instruction, setup: Setup, read: ReadOptions
+                   ) -> None:
     """The shared body of ``summarize`` and ``ask``."""
     from kvcli.cli.render import reading_summary
     from kvcli.generate import Reader, build_prompt, document_tokens, stop_token_ids
@@ -98,7 +119,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, p
         stderr_console,
     )
 
-    setup, read = apply_presets(ctx, presets, setup, read)
+    setup, read = apply_presets(ctx, read.presets, setup, read)
     check_at_least(1, block=read.block, max_new_tokens=read.max_new_tokens)
     if read.temperature < 0:
         raise UsageError(f"--temperature must not be negative, not {read.temperature}")
@@ -155,29 +176,18 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, p
         raise typer.Exit(130)
 
 
+@with_reading(max_new_tokens=256)
 @with_setup
 def summarize(
     ctx: typer.Context,
     source: SourceArg,
-    method: MethodOpt = "treekv",
-    cache: CacheOpt = 1024,
-    block: BlockOpt = 256,
-    option: OptionOpt = None,
-    max_new_tokens: MaxNewOpt = 256,
     prompt: Annotated[str | None, typer.Option("--prompt", help="Your own instruction, placed after the "
                                                "document.")] = None,
     template: Annotated[str | None, typer.Option("--template", help="A named instruction: summary (default), "
                                                  "tldr or keypoints.")] = None,
-    answer_prefix: AnswerPrefixOpt = "",
-    temperature: TemperatureOpt = 0.0,
-    seed: SeedOpt = 0,
-    json_out: JsonOpt = False,
-    preset: PresetOpt = None,
-    one_shot: OneShotOpt = None,
-    probe: ProbeOpt = True,
-    stop: StopOpt = None,
     *,
     setup: Setup,
+    read: ReadOptions,
 ) -> None:
     """Read SOURCE (any length) through a fixed-size KV cache, then write a summary of it to stdout."""
     from kvcli.generate import TEMPLATES, custom_instruction
@@ -187,43 +197,28 @@ def summarize(
     if prompt is not None:
         if not prompt.strip():
             raise UsageError("--prompt is empty")
-        instruction = custom_instruction(prompt, answer_prefix)
+        instruction = custom_instruction(prompt, read.answer_prefix)
     else:
         name = template or "summary"
         if name not in TEMPLATES:
             raise UsageError(f"unknown --template {name!r}; choose one of: {', '.join(TEMPLATES)}")
-        instruction = dataclasses.replace(TEMPLATES[name], answer_prefix=answer_prefix)
-    read = ReadOptions(method, cache, block, parse_options(option), max_new_tokens, temperature, seed, json_out,
-                       one_shot, probe, stop or [])
-    read_and_write(ctx, "summarize", source, instruction, preset, setup, read)
+        instruction = dataclasses.replace(TEMPLATES[name], answer_prefix=read.answer_prefix)
+    read_and_write(ctx, "summarize", source, instruction, setup, read)
 
 
+@with_reading(max_new_tokens=128)
 @with_setup
 def ask(
     ctx: typer.Context,
     source: SourceArg,
     question: Annotated[str, typer.Argument(help="The question, answered from the document.")],
-    method: MethodOpt = "treekv",
-    cache: CacheOpt = 1024,
-    block: BlockOpt = 256,
-    option: OptionOpt = None,
-    max_new_tokens: MaxNewOpt = 128,
-    answer_prefix: AnswerPrefixOpt = "",
-    temperature: TemperatureOpt = 0.0,
-    seed: SeedOpt = 0,
-    json_out: JsonOpt = False,
-    preset: PresetOpt = None,
-    one_shot: OneShotOpt = None,
-    probe: ProbeOpt = True,
-    stop: StopOpt = None,
     *,
     setup: Setup,
+    read: ReadOptions,
 ) -> None:
     """Answer QUESTION about SOURCE; the question steers which tokens the compressed cache keeps."""
     from kvcli.generate import question_instruction
 
     if not question.strip():
         raise UsageError("the question is empty")
-    read = ReadOptions(method, cache, block, parse_options(option), max_new_tokens, temperature, seed, json_out,
-                       one_shot, probe, stop or [])
-    read_and_write(ctx, "ask", source, question_instruction(question, answer_prefix), preset, setup, read)
+    read_and_write(ctx, "ask", source, question_instruction(question, read.answer_prefix), setup, read)
