@@ -194,25 +194,25 @@ class Engine:
         stream_pos = 0
         started = time.perf_counter()
         try:
-            for block in blocks_of(token_chunks, self.block, limit=None if max_tokens is None else max_tokens + 1):
+            for ids in blocks_of(token_chunks, self.block, limit=None if max_tokens is None else max_tokens + 1):
                 tick = time.perf_counter()
-                hidden = self.forward(cache, block[None, :])
+                hidden = self.forward(cache, ids[None, :])
                 predictors = hidden[:-1] if previous is None else torch.cat((previous, hidden[:-1]))
-                targets = block[1:] if previous is None else block
+                targets = ids[1:] if previous is None else ids
                 first = stream_pos + (1 if previous is None else 0)  # stream index of targets[0]
                 skip = max(0, min(score_from - first, targets.shape[0]))
                 nll = self.token_nll(predictors[skip:], targets[skip:]).sum()
                 previous = hidden[-1:]
-                stream_pos += block.shape[0]
+                stream_pos += ids.shape[0]
                 scored = targets.shape[0] - skip
                 totals.tokens += scored
-                totals.processed += block.shape[0]
+                totals.processed += ids.shape[0]
                 totals.nll_sum += float(nll)
                 elapsed = time.perf_counter() - tick
                 cache_tokens = max(cache.lengths())
                 totals.max_cache_tokens = max(totals.max_cache_tokens, cache_tokens)
                 stats = BlockStats(stream_pos - 1, scored, float(nll) / scored if scored else float("nan"),
-                                   cache_tokens, block.shape[0] / elapsed if elapsed > 0 else 0.0)
+                                   cache_tokens, ids.shape[0] / elapsed if elapsed > 0 else 0.0)
                 totals.blocks.append(stats)
                 if on_block:
                     on_block(stats, totals)

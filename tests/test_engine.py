@@ -171,3 +171,20 @@ def test_long_prefill_uses_the_causal_kernel_with_the_same_output_and_window(mon
     torch.testing.assert_close(causal_out, explicit_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(causal_probs, explicit_probs, rtol=1e-5, atol=1e-5)
     assert explicit_probs.shape == (2, 2, 40)
+
+
+def test_a_finished_cache_is_freed_without_the_garbage_collector(model):
+    """The layers hold their cache weakly: dropping the last reference frees a run's tensors at once."""
+    import gc
+    import weakref
+
+    engine = Engine(model, make_method("treekv"), 32, block=16)
+    cache = engine.new_cache()
+    engine.score([torch.randint(0, 128, (80,)).tolist()], cache=cache)
+    alive = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert alive() is None
+    finally:
+        gc.enable()
