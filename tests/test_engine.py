@@ -180,7 +180,7 @@ def test_a_finished_cache_is_freed_without_the_garbage_collector(model):
 
     engine = Engine(model, make_method("treekv"), 32, block=16)
     cache = engine.new_cache()
-    engine.score([torch.randint(0, 128, (80,)).tolist()], cache=cache)
+    engine.score([torch.randint(0, model.config.vocab_size, (80,)).tolist()], cache=cache)
     alive = weakref.ref(cache)
     gc.disable()
     try:
