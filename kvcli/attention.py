@@ -95,6 +95,20 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return output, probs
 
 
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, window: int,
+                    attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of every query to every key it can see, on the path that is fastest where it runs.
+
+    On the CPU without a mask a block against the cache takes :func:`explicit_attention`; a long
+    prefill into an empty cache and every GPU call take :func:`sdpa_attention`.
+    """
+    q_len, k_len = query.shape[2], key.shape[2]
+    long_prefill = attention_mask is None and q_len == k_len and q_len >= CAUSAL_KERNEL_FROM
+    if query.device.type == "cpu" and attention_mask is None and not long_prefill:
+        return explicit_attention(query, key, value, scaling, window)
+    return sdpa_attention(query, key, value, attention_mask, scaling, window)
+
+
 def kvcli_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -105,16 +119,16 @@ def kvcli_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    q_len, k_len = query.shape[2], key.shape[2]
+    q_len = query.shape[2]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     cache: KVCache | None = kwargs.get("kvcli_cache")
     window = cache.score_window if cache is not None else 0
-    long_prefill = attention_mask is None and q_len == k_len and q_len >= CAUSAL_KERNEL_FROM
-    if query.device.type == "cpu" and attention_mask is None and not long_prefill:
-        output, probs = explicit_attention(query, key, value, scaling, window)
+    own = cache.layers[module.layer_idx].attend(query, key, value, scaling, window) if cache is not None else None
+    if own is not None:
+        output, probs = own
     else:
-        output, probs = sdpa_attention(query, key, value, attention_mask, scaling, window)
+        output, probs = dense_attention(query, key, value, scaling, window, attention_mask)
     if probs is not None:
         layer = cache.layers[module.layer_idx]
         window = min(window, q_len)

@@ -140,6 +140,15 @@ class CompressedLayer(CacheLayerMixin):
         delta = self.current_positions(block_start)[None, :] - self.entry_pos
         return rotate_keys(self.keys, delta, self.owner.inv_freq)
 
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+               window: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Attention computed by the layer itself, or None for kvcli's ordinary attention.
+
+        A layer that stores keys in its own layout (PoD's shared distant keys) answers with the
+        output ``[1, H_q, n, D]`` and the window's attention ``[H_kv, group, T]`` (or None).
+        """
+        return None
+
     def keep(self, indices: torch.Tensor) -> None:
         """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending), dropping the rest."""
         heads, count = indices.shape
@@ -165,13 +174,17 @@ class KVCache(Cache):
     """
 
     def __init__(self, num_layers: int, inv_freq: torch.Tensor):
-        super().__init__(layers=[CompressedLayer(self, i) for i in range(num_layers)])
+        super().__init__(layers=[self.new_layer(i) for i in range(num_layers)])
         self.inv_freq = inv_freq
         self.block_start = 0
         self.stream_start = 0
         self.score_window = 0  # how many of a forward's last queries record their attention
         self.probing = False
         self.keep_positions = False  # True: no re-assignment, a token's position is its index in the stream
+
+    def new_layer(self, layer_idx: int) -> CompressedLayer:
+        """The layer object of decoder layer ``layer_idx``: a subclass may store keys differently (PoD)."""
+        return CompressedLayer(self, layer_idx)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> KVCache:

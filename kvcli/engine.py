@@ -110,7 +110,7 @@ class Engine:
         self.head = model.get_output_embeddings()
 
     def new_cache(self) -> KVCache:
-        return KVCache.for_model(self.model)
+        return self.method.new_cache(self.model)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcli.cache import LayerView
+from kvcli.cache import KVCache, LayerView
 from kvcli.errors import BudgetError, UsageError
 
 
@@ -35,6 +35,10 @@ class Method:
     keeps_positions: ClassVar[bool] = False
     #: The method never evicts, so it takes no budget and its cache grows with the stream (``full``).
     unbounded: ClassVar[bool] = False
+
+    def new_cache(self, model: torch.nn.Module) -> KVCache:
+        """The cache this method streams into: kvcli's ordinary one unless the method stores keys its own way."""
+        return KVCache.for_model(model)
 
     def score_window(self, block_len: int) -> int:
         """How many of a forward's last queries must record their attention (0: none needed)."""

@@ -1,0 +1,150 @@
+"""PoD's attention (section 2.2, Eq. 3-4): full attention to proximal tokens, shared scores for distant ones.
+
+For a query at slot ``i`` of layer ``l`` and a KV head whose block (of consecutive similar layers)
+starts at its *lead* layer ``a``:
+
+* proximal tokens are the first ``n_s`` slots and the last ``n_r`` slots up to the query itself,
+  ``[0, n_s) ∪ (i - n_r, i]`` (Eq. 3: ``K_[1, n_s]`` and ``K_[n - n_r + 1, n]``, 1-based); they are
+  scored with the layer's own query and keys, ``a^P = Q_l K_l^T / sqrt(d)``;
+* the other visible slots ``[n_s, i - n_r]`` are distant, scored with the lead layer's query and
+  keys, ``a^D = Q_a K_a^T / sqrt(d)``: every layer of the block shares the lead's attention scores;
+* both parts weigh the layer's own values, and the gate of Eq. 4,
+  ``g = sum exp a^P / (sum exp a^P + sum exp a^D)``, mixes ``o = g o^P + (1 - g) o^D``.
+
+Appendix C.1 shows that this mix is exactly one softmax over the concatenated logits ``[a^P; a^D]``
+(the gate is the softmax mass of the proximal part), which is how :func:`shared_attention`
+computes it: one ``[queries, slots]`` logit matrix whose distant entries come from the lead, one
+softmax, one product with the values. In the lead layer itself ``a^D`` is the layer's own score, so
+the lead computes plain full attention (the cache routes its heads through kvcli's ordinary
+attention, which makes that equality exact rather than approximate).
+
+With the gate threshold ``tau`` (appendix B.4) a query whose gate reaches ``tau`` skips the distant
+part: its output is ``o^P`` alone. The lead layer never skips (its distant term is its own attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SharingPlan:
+    """Which layer leads each KV head's block, and PoD's proximal window.
+
+    ``leads[h, l]`` is the lead (lowest) layer of the block holding layer ``l`` for KV head ``h``;
+    ``sinks`` (n_s) and ``recent`` (n_r, the query itself included) define the proximal tokens;
+    ``tau`` is the optional gate threshold.
+    """
+
+    leads: torch.Tensor
+    sinks: int
+    recent: int
+    tau: float | None = None
+
+    def __post_init__(self) -> None:
+        self.leads = self.leads.to(torch.long).cpu()
+        kv_heads, layers = self.leads.shape
+        self._lead_heads = [[h for h in range(kv_heads) if int(self.leads[h, layer]) == layer]
+                            for layer in range(layers)]
+        self._other_heads = [[h for h in range(kv_heads) if int(self.leads[h, layer]) != layer]
+                             for layer in range(layers)]
+        self._last_reader = {}
+        for layer in range(layers):
+            for lead in self.leads[:, layer].tolist():
+                self._last_reader[lead] = max(self._last_reader.get(lead, lead), layer)
+
+    @property
+    def num_layers(self) -> int:
+        return self.leads.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.leads.shape[0]
+
+    def lead_heads(self, layer: int) -> list[int]:
+        """KV heads for which ``layer`` is the lead: it keeps every key of theirs and attends fully."""
+        return self._lead_heads[layer]
+
+    def other_heads(self, layer: int) -> list[int]:
+        """KV heads whose lead is a lower layer: ``layer`` keeps only their proximal keys."""
+        return self._other_heads[layer]
+
+    def lead_of(self, head: int, layer: int) -> int:
+        return int(self.leads[head, layer])
+
+    def last_reader(self, lead: int) -> int:
+        """The highest layer that reads ``lead``'s queries in a forward pass (``lead`` itself if none)."""
+        return self._last_reader.get(lead, lead)
+
+    def near_slots(self, length: int) -> tuple[int, int]:
+        """``(sinks, recent)`` slots whose keys a non-lead layer must keep between forward passes.
+
+        The next query (slot ``length``) sees as proximal the first ``n_s`` slots and the last
+        ``n_r - 1`` cached ones (its window of ``n_r`` includes itself); every later query needs
+        only those or newer slots.
+        """
+        sinks = min(self.sinks, length)
+        recent = min(max(self.recent - 1, 0), length - sinks)
+        return sinks, recent
+
+
+def proximal_and_distant(query_slots: torch.Tensor, length: int, sinks: int, recent: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean ``[queries, length]`` masks: which slots are proximal and which distant for each query.
+
+    Causal: slots after the query are neither. Proximal ``t < n_s or i - n_r < t <= i``; distant
+    ``n_s <= t <= i - n_r``.
+    """
+    slots = torch.arange(length, device=query_slots.device)[None, :]
+    i = query_slots[:, None]
+    visible = slots <= i
+    proximal = visible & ((slots < sinks) | (slots > i - recent))
+    return proximal, visible & ~proximal
+
+
+def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: torch.Tensor, own_slots: torch.Tensor,
+                     lead_keys: torch.Tensor, values: torch.Tensor, query_slots: torch.Tensor, sinks: int, recent: int,
+                     scaling: float, tau: float | None = None, window: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Eq. 3-4 for the KV heads of a layer that are not their block's lead, all queries of a block at once.
+
+    Shapes (``H`` KV heads, ``G`` query heads per KV head, ``n`` queries, ``T`` slots):
+
+    * ``query``, ``lead_query``: ``[H, G, n, D]``, this layer's queries and the lead layer's;
+    * ``own_keys``: ``[H, S, D]``, this layer's keys at the slots ``own_slots`` ``[S]`` (every slot
+      proximal to some query must be there; distant ones need not be);
+    * ``lead_keys``: ``[H, T, D]``, the lead layer's keys of every slot (only distant slots are read);
+    * ``values``: ``[H, T, Dv]``; ``query_slots``: ``[n]``, the slot of each query's own token.
+
+    Returns the output ``[H, G, n, Dv]``, the attention of the last ``window`` queries summed over
+    them ``[H, G, T]`` (float32, for scoring methods; None when ``window`` is 0) and the gate
+    ``g`` ``[H, G, n]`` (float32).
+    """
+    heads, group, n, _ = query.shape
+    length = values.shape[1]
+    proximal, distant = proximal_and_distant(query_slots, length, sinks, recent)
+    logits = query.new_full((heads, group, n, length), float("-inf"))
+    distant_slots = distant.any(dim=0).nonzero()
+    if distant_slots.numel():
+        lo, hi = int(distant_slots[0]), int(distant_slots[-1]) + 1
+        shared = torch.matmul((lead_query * scaling).reshape(heads, group * n, -1), lead_keys[:, lo:hi].transpose(1, 2))
+        shared = shared.view(heads, group, n, hi - lo).masked_fill(~distant[:, lo:hi], float("-inf"))
+        logits[..., lo:hi] = shared
+    own_proximal = proximal[:, own_slots]
+    if int(own_proximal.sum()) != int(proximal.sum()):
+        raise RuntimeError("PoD: a proximal key is missing from the layer's own keys (cache bookkeeping bug)")
+    own = torch.matmul((query * scaling).reshape(heads, group * n, -1), own_keys.transpose(1, 2))
+    own = own.view(heads, group, n, own_slots.shape[0])
+    logits[..., own_slots] = torch.where(own_proximal, own, logits[..., own_slots])
+    probs = torch.softmax(logits.float(), dim=-1)
+    gate = (probs * proximal).sum(dim=-1)
+    if tau is not None:  # appendix B.4: where the gate reaches tau, the distant part is left out (o = o^P)
+        skip = gate >= tau
+        if bool(skip.any()):
+            proximal_only = probs * proximal / gate[..., None].clamp_min(torch.finfo(torch.float32).tiny)
+            probs = torch.where(skip[..., None], proximal_only, probs)
+    output = torch.matmul(probs.to(values.dtype).view(heads, group * n, length), values)
+    tail = probs[:, :, n - min(window, n):, :].sum(dim=2) if window > 0 else None
+    return output.view(heads, group, n, values.shape[-1]), tail, gate

@@ -1,0 +1,197 @@
+"""The cache layer behind PoD: every layer keeps its values, only each KV head's lead keeps distant keys.
+
+Storage of one layer ``l`` (``T`` slots, the same tokens in every layer):
+
+* ``values`` ``[1, H, T, Dv]``, ``entry_pos``/``token_idx`` ``[H, T]``: every KV head, every token;
+* ``keys`` ``[1, len(lead_heads), T, D]``: all keys of the KV heads whose block starts at ``l``;
+* ``near_keys`` ``[1, len(other_heads), s + m, D]``: for the other KV heads, only the keys of the
+  first ``s`` and last ``m`` slots, the ones the next query can see as proximal (``s = n_s``,
+  ``m = n_r - 1``). When a token leaves the proximal window its key is cut out of the tensor
+  (freed, not masked); its keys live on only in the lead layer of each head's block.
+
+Keys per KV head are ragged (a lead head holds T keys, the others ``s + m``), so they are held as
+two dense tensors split by head rather than one; :meth:`PodLayer.nbytes` counts what is held.
+
+Positions work as for every kvcli layer: keys are stored as rotated at their entry position and
+rotated to the slot's current position when read. All layers hold the same slots, so the lead's
+keys, the lead's queries (rotated at the block's positions in the same forward) and the layer's
+own keys always agree on positions.
+
+The lead layer's queries of the current block are needed by the higher layers of its blocks in
+the same forward pass: :attr:`PodCache.shared_queries` holds them from the lead's attention call
+until the last layer that reads them is done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcli.attention import dense_attention
+from kvcli.cache import CompressedLayer, KVCache, rotate_keys
+from kvcli.pod.attention import SharingPlan, shared_attention
+
+
+class PodCache(KVCache):
+    """A :class:`~kvcli.cache.KVCache` of :class:`PodLayer` s that share distant keys as ``plan`` says."""
+
+    def __init__(self, num_layers: int, inv_freq: torch.Tensor, plan: SharingPlan):
+        if plan.num_layers != num_layers:
+            raise ValueError(f"the plan has {plan.num_layers} layers, the model {num_layers}")
+        self.plan = plan
+        self.shared_queries: dict[int, torch.Tensor] = {}
+        super().__init__(num_layers, inv_freq)
+
+    def new_layer(self, layer_idx: int) -> CompressedLayer:
+        return PodLayer(self, layer_idx)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, plan: SharingPlan) -> PodCache:
+        rotary = model.model.rotary_emb
+        return cls(model.config.num_hidden_layers, rotary.inv_freq.detach().clone(), plan)
+
+
+class PodLayer(CompressedLayer):
+    """One layer's values (all heads), lead heads' keys (all tokens), other heads' proximal keys."""
+
+    owner: PodCache
+
+    def __init__(self, owner: PodCache, layer_idx: int):
+        super().__init__(owner, layer_idx)
+        plan = owner.plan
+        self.lead_heads = plan.lead_heads(layer_idx)
+        self.other_heads = plan.other_heads(layer_idx)
+        self.near_keys: torch.Tensor | None = None
+        self.near_sinks = 0  # near_keys hold slots [0, near_sinks) and the last near_recent slots
+        self.near_recent = 0
+        self._cached = 0  # slots held before the current forward's block arrived
+
+    # --- transformers' CacheLayerMixin -------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        dim = key_states.shape[-1]
+        self.keys = key_states.new_empty((1, len(self.lead_heads), 0, dim))
+        self.near_keys = key_states.new_empty((1, len(self.other_heads), 0, dim))
+        self.near_sinks = self.near_recent = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        owner = self.owner
+        if owner.probing:
+            raise NotImplementedError("pod does not take query-aware probes yet")
+        new, heads = key_states.shape[-2], key_states.shape[1]
+        self._cached = self.get_seq_length()
+        positions = torch.arange(owner.block_start, owner.block_start + new, device=self.device)
+        tokens = torch.arange(owner.stream_start, owner.stream_start + new, device=self.device)
+        self.keys = torch.cat((self.keys, key_states[:, self.lead_heads]), dim=-2)
+        self.near_keys = torch.cat((self.near_keys, key_states[:, self.other_heads]), dim=-2)
+        self.near_recent += new
+        self.values = torch.cat((self.values, value_states), dim=-2)
+        self.entry_pos = torch.cat((self.entry_pos, positions.expand(heads, new)), dim=-1)
+        self.token_idx = torch.cat((self.token_idx, tokens.expand(heads, new)), dim=-1)
+        return key_states, self.values  # the attention reads the layer itself (see attend)
+
+    def get_seq_length(self) -> int:
+        return 0 if self.values is None else self.values.shape[-2]
+
+    def reset(self) -> None:
+        super().reset()
+        self.near_keys = None
+        self.near_sinks = self.near_recent = 0
+
+    # --- kvcli ---------------------------------------------------------------------------------
+    def near_slots(self) -> torch.Tensor:
+        """The slots ``near_keys`` hold, ascending: ``[0, near_sinks)`` and the last ``near_recent``."""
+        length = self.get_seq_length()
+        return torch.cat((torch.arange(self.near_sinks, device=self.device),
+                          torch.arange(length - self.near_recent, length, device=self.device)))
+
+    def slot_positions(self) -> torch.Tensor:
+        """Current position of every slot during a forward: consecutive, the new block's at ``block_start..``."""
+        start = self.owner.block_start - self._cached
+        return torch.arange(start, start + self.get_seq_length(), device=self.device)
+
+    def _rotated(self, keys: torch.Tensor, heads: list[int], slots: torch.Tensor | None) -> torch.Tensor:
+        """``keys`` ``[1, h, S, D]`` of KV heads ``heads`` at ``slots`` (all when None), rotated to now."""
+        if self.owner.keep_positions or (not self.moved and self.owner.block_start == self._cached):
+            return keys  # every key still sits where it entered
+        entry = self.entry_pos[heads] if slots is None else self.entry_pos[heads][:, slots]
+        current = self.slot_positions() if slots is None else self.slot_positions()[slots]
+        return rotate_keys(keys, current[None, :] - entry, self.owner.inv_freq)
+
+    def lead_keys(self, heads: list[int]) -> torch.Tensor:
+        """This (lead) layer's keys of KV heads ``heads`` at every slot, rotated: ``[1, len(heads), T, D]``."""
+        index = [self.lead_heads.index(h) for h in heads]
+        return self._rotated(self.keys[:, index], heads, None)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+               window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """PoD attention of this layer for a block of queries ``[1, Hq, n, D]``, then free distant keys.
+
+        Lead heads get plain full attention through kvcli's ordinary path (App. C.1: exactly full
+        attention); the other heads get :func:`~kvcli.pod.attention.shared_attention` with their
+        lead's queries and keys. Returns ``([1, Hq, n, Dv], window attention [H, G, T] or None)``.
+        """
+        owner, plan = self.owner, self.owner.plan
+        layer = self.layer_idx
+        n = query.shape[2]
+        kv_heads = self.values.shape[1]
+        group = query.shape[1] // kv_heads
+        length = self.get_seq_length()
+        grouped = query.view(1, kv_heads, group, n, -1)
+        output = query.new_empty((1, kv_heads, group, n, self.values.shape[-1]))
+        window_probs = None
+        if window:
+            window_probs = torch.zeros(kv_heads, group, length, dtype=torch.float32, device=query.device)
+        if self.lead_heads:
+            heads = self.lead_heads
+            out, probs = dense_attention(grouped[:, heads].flatten(1, 2), self.lead_keys(heads),
+                                         self.values[:, heads], scaling, window)
+            output[:, heads] = out.view(1, len(heads), group, n, -1)
+            if window_probs is not None and probs is not None:
+                window_probs[heads] = probs
+            if plan.last_reader(layer) > layer:
+                owner.shared_queries[layer] = query
+        if self.other_heads:
+            heads = self.other_heads
+            leads = [plan.lead_of(h, layer) for h in heads]
+            lead_query = torch.stack([owner.shared_queries[a].view(1, kv_heads, group, n, -1)[0, h]
+                                      for h, a in zip(heads, leads, strict=True)])
+            lead_keys = torch.cat([owner.layers[a].lead_keys([h])[0] for h, a in zip(heads, leads, strict=True)])
+            slots = self.near_slots()
+            own_keys = self._rotated(self.near_keys, heads, slots)[0]
+            query_slots = torch.arange(length - n, length, device=query.device)
+            out, probs, _ = shared_attention(grouped[0, heads], lead_query, own_keys, slots, lead_keys,
+                                             self.values[0, heads], query_slots, plan.sinks, plan.recent, scaling,
+                                             plan.tau, window)
+            output[0, heads] = out.to(output.dtype)
+            if window_probs is not None and probs is not None:
+                window_probs[heads] = probs
+            self.free_distant_keys()
+        for lead in {plan.lead_of(h, layer) for h in range(kv_heads)}:
+            if plan.last_reader(lead) == layer:
+                owner.shared_queries.pop(lead, None)
+        return output.view(1, kv_heads * group, n, -1), window_probs
+
+    def free_distant_keys(self) -> None:
+        """Cut the keys that no later query of this layer sees as proximal out of ``near_keys``."""
+        length = self.get_seq_length()
+        sinks, recent = self.owner.plan.near_slots(length)
+        if (sinks, recent) == (self.near_sinks, self.near_recent):
+            return
+        stored = self.near_slots()
+        wanted = torch.cat((torch.arange(sinks, device=self.device),
+                            torch.arange(length - recent, length, device=self.device)))
+        keep = torch.searchsorted(stored, wanted).clamp(max=max(stored.shape[0] - 1, 0))
+        if wanted.numel() and not torch.equal(stored[keep], wanted):
+            raise RuntimeError("PoD: a key still proximal was already freed (cache bookkeeping bug)")
+        self.near_keys = self.near_keys.index_select(2, keep).contiguous()
+        self.near_sinks, self.near_recent = sinks, recent
+
+    def keep(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("pod keeps every token (token selection for the distant region is not built yet)")
+
+    def nbytes(self) -> int:
+        if self.values is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.near_keys, self.values))
