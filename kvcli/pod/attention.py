@@ -148,3 +148,79 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
     output = torch.matmul(probs.to(values.dtype).view(heads, group * n, length), values)
     tail = probs[:, :, n - min(window, n):, :].sum(dim=2) if window > 0 else None
     return output.view(heads, group, n, values.shape[-1]), tail, gate
+
+
+# --- a whole sequence without a cache (post-training, references) ---------------------------------------
+
+#: Name of the attention function for whole-sequence PoD forwards (registered by :func:`register_sequence_attention`).
+SEQUENCE_ATTENTION = "kvcli-pod"
+#: Keyword argument of the model's forward call carrying a :class:`SharedForward`.
+SHARED_KWARG = "kvcli_pod"
+
+
+@dataclass
+class SharedForward:
+    """What one whole-sequence PoD forward carries from a lead layer to the higher layers of its blocks.
+
+    Pass a fresh one per forward call (``model(ids, kvcli_pod=SharedForward(plan))``); it holds the
+    lead layers' rotated queries and keys until their last reader is done.
+    """
+
+    plan: SharingPlan
+
+    def __post_init__(self) -> None:
+        self.queries: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+
+
+def sequence_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    """PoD attention over a whole sequence ``[1, H, n, D]`` (no cache), differentiable, for post-training.
+
+    Lead heads get causal full attention; the others :func:`shared_attention` with every slot's own
+    key available (the proximal mask decides which are used). Without a :class:`SharedForward` in
+    the keyword arguments this is kvcli's ordinary attention.
+    """
+    from kvcli.attention import kvcli_attention
+
+    shared: SharedForward | None = kwargs.pop(SHARED_KWARG, None)
+    if shared is None:
+        return kvcli_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    plan, layer = shared.plan, module.layer_idx
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    kv_heads, n = key.shape[1], query.shape[2]
+    group = query.shape[1] // kv_heads
+    grouped = query.view(kv_heads, group, n, -1)
+    if plan.last_reader(layer) > layer:
+        shared.queries[layer], shared.keys[layer] = grouped, key[0]
+    outputs: list[torch.Tensor | None] = [None] * kv_heads
+    lead_heads, other_heads = plan.lead_heads(layer), plan.other_heads(layer)
+    if lead_heads:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped[lead_heads], key[0, lead_heads, None], value[0, lead_heads, None], is_causal=n > 1, scale=scaling)
+        for i, h in enumerate(lead_heads):
+            outputs[h] = out[i]
+    if other_heads:
+        leads = [plan.lead_of(h, layer) for h in other_heads]
+        slots = torch.arange(n, device=query.device)
+        pairs = list(zip(other_heads, leads, strict=True))
+        lead_query = torch.stack([shared.queries[a][h] for h, a in pairs])
+        lead_keys = torch.stack([shared.keys[a][h] for h, a in pairs])
+        out, _, _ = shared_attention(grouped[other_heads], lead_query, key[0, other_heads], slots, lead_keys,
+                                     value[0, other_heads], slots, plan.sinks, plan.recent, scaling, plan.tau)
+        for i, h in enumerate(other_heads):
+            outputs[h] = out[i].to(value.dtype)
+    for lead in set(plan.leads[:, layer].tolist()):
+        if plan.last_reader(lead) == layer:
+            shared.queries.pop(lead, None)
+            shared.keys.pop(lead, None)
+    output = torch.stack(outputs).view(1, kv_heads * group, n, -1)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def register_sequence_attention() -> None:
+    """Make ``attn_implementation="kvcli-pod"`` available (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SEQUENCE_ATTENTION, sequence_attention)

@@ -167,7 +167,7 @@ class PodLayer(CompressedLayer):
             output[0, heads] = out.to(output.dtype)
             if window_probs is not None and probs is not None:
                 window_probs[heads] = probs
-            self.free_distant_keys()
+        self.free_distant_keys()
         for lead in {plan.lead_of(h, layer) for h in range(kv_heads)}:
             if plan.last_reader(lead) == layer:
                 owner.shared_queries.pop(lead, None)

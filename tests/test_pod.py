@@ -1,0 +1,367 @@
+"""PoD: Eq. 3-4 against a literal per-query reference, App. C.1 (the lead layer is full attention), the whole
+model against full attention without sharing, memory actually freed, groups files and calibration."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvcli.attention import explicit_attention
+from kvcli.engine import Engine
+from kvcli.errors import UsageError
+from kvcli.methods import METHODS, make_method
+from kvcli.methods.full import Full
+from kvcli.models import tiny_llama
+from kvcli.pod.attention import (
+    SEQUENCE_ATTENTION,
+    SHARED_KWARG,
+    SharedForward,
+    SharingPlan,
+    proximal_and_distant,
+    register_sequence_attention,
+    shared_attention,
+)
+from kvcli.pod.cache import PodCache
+from kvcli.pod.calibrate import calibrate, groups_from_similarity, sample_sequences
+from kvcli.pod.groups import GroupsFile, ModelShape, resolve, shipped_for, shipped_groups
+
+# --- Eq. 3-4, literally ----------------------------------------------------------------------------------
+
+
+def literal_pod(q_own, q_lead, k_own, k_lead, v, i, sinks, recent, tau=None):
+    """Eq. 3-4 for one query (slot ``i``, 0-based) of one head, in python floats.
+
+    Proximal: slots ``[0, n_s)`` and ``[i - n_r + 1, i]`` (Eq. 3's ``K_[1, n_s]`` and ``K_[n - n_r + 1, n]``);
+    distant: the rest of ``[0, i]``. Two separate softmaxes, then the gate of Eq. 4.
+    """
+    d = len(q_own)
+    scale = 1 / math.sqrt(d)
+    proximal = [t for t in range(i + 1) if t < sinks or t >= i - recent + 1]
+    distant = [t for t in range(i + 1) if t not in proximal]
+
+    def dot(a, b):
+        return sum(x * y for x, y in zip(a, b, strict=True))
+
+    a_p = [dot(q_own, k_own[t]) * scale for t in proximal]
+    a_d = [dot(q_lead, k_lead[t]) * scale for t in distant]
+
+    def softmax_mix(logits, slots):
+        top = max(logits)
+        weights = [math.exp(a - top) for a in logits]
+        total = sum(weights)
+        return [sum(w * v[t][c] for w, t in zip(weights, slots, strict=True)) / total for c in range(len(v[0]))]
+
+    o_p = softmax_mix(a_p, proximal)
+    if not distant:  # "the corresponding attention term is omitted"
+        return o_p, 1.0
+    o_d = softmax_mix(a_d, distant)
+    sum_p = sum(math.exp(a) for a in a_p)
+    sum_d = sum(math.exp(a) for a in a_d)
+    g = sum_p / (sum_p + sum_d)
+    if tau is not None and g >= tau:  # appendix B.4: the distant part is left out
+        return o_p, g
+    return [g * p + (1 - g) * q for p, q in zip(o_p, o_d, strict=True)], g
+
+
+@pytest.mark.parametrize("sinks,recent,cached,new,tau", [
+    (2, 3, 10, 5, None),   # a block against a cache: the window slides within the block
+    (2, 3, 0, 14, None),   # a prefill: early queries have no distant tokens
+    (0, 1, 9, 1, None),    # decoding one token, no sinks, the window is the query alone
+    (4, 20, 6, 4, None),   # everything proximal
+    (1, 4, 12, 6, 0.5),    # the gate threshold skips some queries' distant part
+])
+def test_shared_attention_matches_literal_eq_3_4(sinks, recent, cached, new, tau):
+    gen = torch.Generator().manual_seed(7)
+    heads, group, dim = 2, 2, 4
+    length = cached + new
+    q = torch.randn(heads, group, new, dim, generator=gen, dtype=torch.float64) * 2
+    q_lead = torch.randn(heads, group, new, dim, generator=gen, dtype=torch.float64) * 2
+    k_own = torch.randn(heads, length, dim, generator=gen, dtype=torch.float64)
+    k_lead = torch.randn(heads, length, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(heads, length, 3, generator=gen, dtype=torch.float64)
+    query_slots = torch.arange(cached, length)
+    # the layer holds its own keys only for slots some query of the block sees as proximal
+    proximal, _ = proximal_and_distant(query_slots, length, sinks, recent)
+    own_slots = proximal.any(dim=0).nonzero()[:, 0]
+    out, _, gate = shared_attention(q, q_lead, k_own[:, own_slots], own_slots, k_lead, v, query_slots, sinks, recent,
+                                    dim ** -0.5, tau)
+    skipped = 0
+    for h in range(heads):
+        for j in range(group):
+            for n in range(new):
+                expected, g = literal_pod(q[h, j, n].tolist(), q_lead[h, j, n].tolist(), k_own[h].tolist(),
+                                          k_lead[h].tolist(), v[h].tolist(), cached + n, sinks, recent, tau)
+                assert out[h, j, n].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+                assert float(gate[h, j, n]) == pytest.approx(g, rel=1e-5)
+                skipped += tau is not None and g >= tau
+    if tau is not None:
+        assert skipped > 0
+
+
+def test_lead_equals_own_query_and_keys_is_full_attention():
+    """App. C.1: with the layer's own Q and K as the lead's, Eq. 3-4 is plain softmax attention."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 6, 8, generator=gen)
+    k = torch.randn(1, 2, 16, 8, generator=gen)
+    v = torch.randn(1, 2, 16, 8, generator=gen)
+    full, _ = explicit_attention(q, k, v, 8 ** -0.5, 0)
+    slots = torch.arange(16)
+    out, _, _ = shared_attention(q[0].view(2, 2, 6, 8), q[0].view(2, 2, 6, 8), k[0], slots, k[0], v[0],
+                                 torch.arange(10, 16), 2, 3, 8 ** -0.5)
+    torch.testing.assert_close(out.reshape(1, 4, 6, 8), full, rtol=1e-5, atol=1e-6)
+
+
+# --- the whole model ---------------------------------------------------------------------------------------
+
+SHARED = [[[0, 1, 2], [3]], [[0], [1, 2, 3]]]  # KV head 0: lead 0 for layers 0-2; KV head 1: lead 1 for 1-3
+
+
+def tiny(seed: int = 0):
+    return tiny_llama(num_layers=4, hidden=64, heads=4, kv_heads=2, seed=seed)
+
+
+def groups_for(model, blocks=SHARED) -> GroupsFile:
+    return GroupsFile("tiny", ModelShape.of(model.config), blocks)
+
+
+def stream(model, method, ids: torch.Tensor, block: int):
+    engine = Engine(model, method, None, block=block)
+    cache = engine.new_cache()
+    hidden = [engine.forward(cache, ids[None, i:i + block]) for i in range(0, ids.shape[0], block)]
+    return torch.cat(hidden), cache
+
+
+@pytest.mark.parametrize("block", [1, 7, 64])
+def test_every_layer_its_own_block_is_full_attention(block):
+    model = tiny()
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(0))
+    full, full_cache = stream(model, Full(), ids, 64)
+    pod, cache = stream(model, make_method("pod", {"groups": GroupsFile.separate(model.config), "sinks": 2,
+                                                   "recent": 5}), ids, block)
+    if block == 64:
+        assert torch.equal(pod, full)  # one forward: the same attention calls, bit for bit
+    torch.testing.assert_close(pod, full, rtol=1e-5, atol=1e-5)
+    assert cache.nbytes() == full_cache.nbytes()  # no sharing: every key is kept
+
+
+def test_lead_layer_output_is_exactly_full_attention():
+    """App. C.1: layer 0 leads every head, so its attention output is full attention bit for bit."""
+    model = tiny()
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1))
+    captured: dict[str, torch.Tensor] = {}
+    hook = model.model.layers[0].self_attn.register_forward_hook(
+        lambda module, args, output: captured.__setitem__("out", output[0].detach().clone()))
+    try:
+        stream(model, Full(), ids, 40)
+        full = captured["out"]
+        stream(model, make_method("pod", {"groups": groups_for(model), "sinks": 2, "recent": 4}), ids, 40)
+        pod = captured["out"]
+    finally:
+        hook.remove()
+    assert torch.equal(pod, full)
+
+
+def test_lead_heads_of_a_mixed_layer_are_full_attention():
+    """In layer 1 KV head 1 leads (full attention) while KV head 0 shares layer 0's distant scores."""
+    gen = torch.Generator().manual_seed(3)
+    plan = SharingPlan(groups_for(tiny()).leads(), sinks=2, recent=4)
+    cache = PodCache(4, 1.0 / (10000 ** (torch.arange(0, 8, 2) / 8)), plan)
+    cache.block_start = cache.stream_start = 0
+    k = [torch.randn(1, 2, 20, 8, generator=gen) for _ in range(2)]
+    v = [torch.randn(1, 2, 20, 8, generator=gen) for _ in range(2)]
+    q = [torch.randn(1, 4, 20, 8, generator=gen) for _ in range(2)]
+    for layer in range(2):
+        cache.layers[layer].update(k[layer], v[layer])
+        out, _ = cache.layers[layer].attend(q[layer], k[layer], v[layer], 8 ** -0.5, 0)
+    full, _ = explicit_attention(q[1][:, 2:], k[1][:, 1:], v[1][:, 1:], 8 ** -0.5, 0)
+    assert torch.equal(out[:, 2:], full)
+    assert not torch.allclose(out[:, :2], explicit_attention(q[1][:, :2], k[1][:, :1], v[1][:, :1], 8 ** -0.5, 0)[0])
+
+
+@pytest.mark.parametrize("block", [1, 5, 16])
+def test_streaming_in_blocks_matches_one_sequence_forward(block):
+    """The cache path (blocks, decoding) and the whole-sequence path (post-training) compute the same thing."""
+    model = tiny()
+    ids = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(2))
+    method = make_method("pod", {"groups": groups_for(model), "sinks": 3, "recent": 6})
+    streamed, _ = stream(model, method, ids, block)
+    register_sequence_attention()
+    model.set_attn_implementation(SEQUENCE_ATTENTION)
+    with torch.no_grad():
+        whole = model.model(input_ids=ids[None], use_cache=False,
+                            **{SHARED_KWARG: SharedForward(method.plan(model.config))}).last_hidden_state[0]
+    torch.testing.assert_close(streamed, whole, rtol=1e-5, atol=1e-5)
+    full, _ = stream(tiny(), Full(), ids, 48)
+    assert not torch.allclose(streamed, full, atol=1e-3)  # sharing changes the result: the test has teeth
+
+
+def test_whole_model_matches_a_per_query_reference():
+    """Every layer's attention recomputed query by query (Eq. 3-4) from the Q, K, V the model produces."""
+    model = tiny(seed=4)
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(4))
+    sinks, recent = 2, 5
+    method = make_method("pod", {"groups": groups_for(model), "sinks": sinks, "recent": recent})
+    plan = method.plan(model.config)
+    qkv: dict[int, tuple] = {}
+
+    def reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        layer = module.layer_idx
+        qkv[layer] = (query[0].double(), key[0].double())
+        group = query.shape[1] // key.shape[1]
+        out = torch.empty(query.shape[1], query.shape[2], value.shape[-1], dtype=torch.float64)
+        for head in range(query.shape[1]):
+            kv = head // group
+            lead_q, lead_k = qkv[plan.lead_of(kv, layer)]
+            for i in range(query.shape[2]):
+                o, _ = literal_pod(query[0, head, i].double().tolist(), lead_q[head, i].tolist(),
+                                   key[0, kv].double().tolist(), lead_k[kv].tolist(), value[0, kv].double().tolist(),
+                                   i, sinks, recent)
+                out[head, i] = torch.tensor(o)
+        return out.to(query.dtype)[None].transpose(1, 2).contiguous(), None
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("kvcli-pod-reference", reference_attention)
+    streamed, _ = stream(model, method, ids, 5)
+    model.set_attn_implementation("kvcli-pod-reference")
+    with torch.no_grad():
+        expected = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+    torch.testing.assert_close(streamed, expected, rtol=1e-4, atol=1e-4)
+
+
+# --- memory --------------------------------------------------------------------------------------------------
+
+
+def test_distant_keys_are_freed_outside_the_lead_layer():
+    model = tiny()
+    ids = torch.randint(0, 128, (100,), generator=torch.Generator().manual_seed(5))
+    sinks, recent = 4, 8
+    _, cache = stream(model, make_method("pod", {"groups": groups_for(model), "sinks": sinks, "recent": recent}),
+                      ids, 13)
+    head_dim, element = 16, 4
+    expected = 0
+    for layer in cache.layers:
+        leads = len(layer.lead_heads)
+        others = len(layer.other_heads)
+        assert layer.keys.shape[:3] == (1, leads, 100)
+        assert layer.near_keys.shape[:3] == (1, others, sinks + recent - 1)  # freed, not masked
+        assert layer.values.shape[:3] == (1, 2, 100)
+        expected += (2 * 100 + leads * 100 + others * (sinks + recent - 1)) * head_dim * element
+    assert cache.nbytes() == expected
+    full_bytes = 2 * 4 * 2 * 100 * head_dim * element
+    # 4 (head, layer) pairs of 8 keep all keys: keys of distant tokens shrink to half
+    assert cache.nbytes() < 0.85 * full_bytes
+
+
+def test_queries_of_lead_layers_do_not_outlive_the_forward():
+    model = tiny()
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(6))
+    _, cache = stream(model, make_method("pod", {"groups": groups_for(model), "sinks": 2, "recent": 3}), ids, 7)
+    assert cache.shared_queries == {}
+
+
+# --- groups files, bad input ---------------------------------------------------------------------------------
+
+
+def test_groups_file_round_trip_and_saving(tmp_path):
+    model = tiny()
+    groups = groups_for(model)
+    path = groups.save(tmp_path / "g.json")
+    loaded = GroupsFile.load(path)
+    assert loaded.groups == SHARED and loaded.shape == groups.shape
+    assert loaded.leads().tolist() == [[0, 0, 0, 3], [0, 1, 1, 1]]
+    # per distant token: 8 (layer, head) values + 4 lead keys out of 16 keys and values
+    assert loaded.theoretical_kv_saving() == pytest.approx(4 / 16)
+    assert json.loads(path.read_text())["theoretical_kv_saving"] == 0.25
+
+
+def test_bad_inputs_are_usage_errors(tmp_path):
+    model = tiny()
+    with pytest.raises(UsageError, match="not found"):
+        make_method("pod", {"groups": str(tmp_path / "missing.json")})
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UsageError, match="cannot read"):
+        make_method("pod", {"groups": str(tmp_path / "bad.json")})
+    with pytest.raises(UsageError, match="tau"):
+        make_method("pod", {"tau": "1.5"})
+    with pytest.raises(UsageError, match="tau"):
+        make_method("pod", {"tau": "-0.1"})
+    with pytest.raises(UsageError, match="recent"):
+        make_method("pod", {"recent": "0"})
+    other = tiny_llama(num_layers=3, hidden=64, heads=4, kv_heads=2)
+    path = groups_for(model).save(tmp_path / "tiny.json")
+    method = make_method("pod", {"groups": str(path)})
+    with pytest.raises(UsageError, match="this model has 3 layers"):
+        method.new_cache(other)
+    with pytest.raises(UsageError, match="consecutive"):
+        GroupsFile("x", ModelShape.of(model.config), [[[0, 2], [1, 3]], [[0, 1, 2, 3]]])
+    with pytest.raises(UsageError, match="ships no PoD groups"):
+        make_method("pod").new_cache(model)
+
+
+def test_pod_is_listed_and_bad_groups_exit_with_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+
+    assert "pod" in METHODS
+    runner = CliRunner()
+    listed = runner.invoke(app, ["methods"])
+    assert listed.exit_code == 0 and "pod" in listed.output and "tau" in listed.output
+    book = tmp_path / "b.txt"
+    book.write_text("hello world " * 20)
+    result = runner.invoke(app, ["ppl", str(book), "--method", "pod", "-o", f"groups={tmp_path / 'none.json'}"])
+    assert result.exit_code != 0
+    assert isinstance(result.exception, UsageError) and "not found" in str(result.exception)
+
+
+def test_shipped_groups_match_the_default_model_shape():
+    from transformers import LlamaConfig
+
+    shipped = shipped_groups()
+    assert [g.model for g in shipped] == ["smollm2-135m"]
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64)
+    groups = shipped_for(config)
+    assert groups.threshold == 0.5 and groups.q == 16
+    assert resolve("auto", config).groups == groups.groups
+    assert 0.0 < groups.theoretical_kv_saving() < 0.5
+    regrouped = groups.regroup(0.0)  # everything similar: one block per KV head
+    assert regrouped.blocks_per_kv_head() == [1, 1, 1]
+
+
+# --- calibration ---------------------------------------------------------------------------------------------
+
+
+def test_groups_from_similarity_follow_the_vote_and_algorithm_1():
+    layers = 4
+    sim = torch.ones(4, layers, layers)  # 4 query heads, 2 KV heads of 2
+    sim[0, 2, :2] = sim[0, :2, 2] = 0.2  # one vote of two against layer 2 for KV head 0: a tie is not similar
+    sim[2, 3, 0] = sim[2, 0, 3] = 0.1
+    sim[3, 3, 0] = sim[3, 0, 3] = 0.1  # both heads of KV head 1: layer 3 unlike layer 0
+    groups = groups_from_similarity(sim, 2, 0.5)
+    assert groups == [[[0, 1], [2, 3]], [[0, 1, 2], [3]]]
+
+
+def test_calibrate_on_a_tiny_model(tmp_path, smol_tokenizer, tiny_model_dir):
+    from kvcli.models import load_model
+    from kvcli.text import open_source
+
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"word{i % 97} and more text" for i in range(2000)))
+    docs = open_source(str(book))
+    sequences = sample_sequences(docs, smol_tokenizer, 3, 64, seed=1)
+    assert len(sequences) == 3 and all(s.shape == (64,) for s in sequences)
+    assert len({tuple(s.tolist()) for s in sequences}) == 3
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    groups = calibrate(loaded.model, loaded.tokenizer, docs, threshold=0.5, q=8, n=2, length=64, model_id="tiny")
+    assert groups.samples == 2 and groups.tokens_per_sample == 64 and groups.q == 8
+    assert len(groups.groups) == 2 and len(groups.similarity) == 4
+    path = groups.save(tmp_path / "tiny.json")
+    method = make_method("pod", {"groups": str(path)})
+    assert method.new_cache(loaded.model).plan.leads.shape == (2, 2)
+    with pytest.raises(UsageError, match="trained context"):
+        calibrate(loaded.model, loaded.tokenizer, docs, n=1, length=100_000)
