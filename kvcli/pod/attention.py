@@ -115,8 +115,8 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
     * ``query``, ``lead_query``: ``[H, G, n, D]``, this layer's queries and the lead layer's;
     * ``own_keys``: ``[H, S, D]``, this layer's keys at the slots ``own_slots`` ``[S]`` (every slot
       proximal to some query must be there; distant ones need not be);
-    * ``lead_keys``: ``[H, T, D]``, the lead layer's keys of every slot (only distant slots are read);
-    * ``values``: ``[H, T, Dv]``; ``query_slots``: ``[n]``, the slot of each query's own token.
+    * ``lead_keys``: ``[H, T, D]``, the lead layer's keys of every slot (only distant slots count);
+    * ``values``: ``[H, T, Dv]``; ``query_slots``: ``[n]``, the consecutive slots of the queries' own tokens.
 
     Returns the output ``[H, G, n, Dv]``, the attention of the last ``window`` queries summed over
     them ``[H, G, T]`` (float32, for scoring methods; None when ``window`` is 0) and the gate
@@ -124,26 +124,31 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
     """
     heads, group, n, _ = query.shape
     length = values.shape[1]
-    proximal, distant = proximal_and_distant(query_slots, length, sinks, recent)
-    logits = query.new_full((heads, group, n, length), float("-inf"))
-    distant_slots = distant.any(dim=0).nonzero()
-    if distant_slots.numel():
-        lo, hi = int(distant_slots[0]), int(distant_slots[-1]) + 1
-        shared = torch.matmul((lead_query * scaling).reshape(heads, group * n, -1), lead_keys[:, lo:hi].transpose(1, 2))
-        shared = shared.view(heads, group, n, hi - lo).masked_fill(~distant[:, lo:hi], float("-inf"))
-        logits[..., lo:hi] = shared
-    own_proximal = proximal[:, own_slots]
-    if int(own_proximal.sum()) != int(proximal.sum()):
+    first = int(query_slots[0])
+    device = query.device
+    needed = torch.cat((torch.arange(min(sinks, length), device=device),
+                        torch.arange(max(first - recent + 1, 0), length, device=device)))
+    if not bool(torch.isin(needed, own_slots).all()):
         raise RuntimeError("PoD: a proximal key is missing from the layer's own keys (cache bookkeeping bug)")
+    # Every slot starts with the lead's score (a^D); proximal slots take the layer's own (a^P); the
+    # slots after each query are masked. One softmax over the row is Eq. 4's gated mix (App. C.1).
+    logits = torch.matmul((lead_query * scaling).reshape(heads, group * n, -1), lead_keys.transpose(1, 2))
+    logits = logits.view(heads, group, n, length)
+    i, t = query_slots[:, None], own_slots[None, :]
+    own_proximal = (t <= i) & ((t < sinks) | (t > i - recent))  # [n, S]
     own = torch.matmul((query * scaling).reshape(heads, group * n, -1), own_keys.transpose(1, 2))
     own = own.view(heads, group, n, own_slots.shape[0])
     logits[..., own_slots] = torch.where(own_proximal, own, logits[..., own_slots])
-    probs = torch.softmax(logits.float(), dim=-1)
-    gate = (probs * proximal).sum(dim=-1)
+    future = torch.arange(first, length, device=device)[None, :] > query_slots[:, None]
+    logits[..., first:] = logits[..., first:].masked_fill(future, float("-inf"))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    proximal_probs = probs[..., own_slots] * own_proximal
+    gate = proximal_probs.sum(dim=-1)
     if tau is not None:  # appendix B.4: where the gate reaches tau, the distant part is left out (o = o^P)
         skip = gate >= tau
         if bool(skip.any()):
-            proximal_only = probs * proximal / gate[..., None].clamp_min(torch.finfo(torch.float32).tiny)
+            proximal_only = torch.zeros_like(probs)
+            proximal_only[..., own_slots] = proximal_probs / gate[..., None].clamp_min(torch.finfo(torch.float32).tiny)
             probs = torch.where(skip[..., None], proximal_only, probs)
     output = torch.matmul(probs.to(values.dtype).view(heads, group * n, length), values)
     tail = probs[:, :, n - min(window, n):, :].sum(dim=2) if window > 0 else None
