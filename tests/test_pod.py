@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from kvcli.analysis.calibrate import calibrate, groups_from_similarity, regroup, sample_sequences
 from kvcli.attention import explicit_attention
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
@@ -25,7 +26,6 @@ from kvcli.pod.attention import (
     shared_attention,
 )
 from kvcli.pod.cache import PodCache
-from kvcli.pod.calibrate import calibrate, groups_from_similarity, sample_sequences
 from kvcli.pod.groups import GroupsFile, ModelShape, resolve, shipped_for, shipped_groups
 
 # --- Eq. 3-4, literally ----------------------------------------------------------------------------------
@@ -302,20 +302,14 @@ def test_bad_inputs_are_usage_errors(tmp_path):
         make_method("pod").new_cache(model)
 
 
-def test_pod_is_listed_and_bad_groups_exit_with_one_line(tmp_path):
-    from typer.testing import CliRunner
-
-    from kvcli.cli import app
-
+def test_pod_is_listed_and_bad_input_exits_with_one_line(invoke, book, tmp_path):
     assert "pod" in METHODS
-    runner = CliRunner()
-    listed = runner.invoke(app, ["methods"])
-    assert listed.exit_code == 0 and "pod" in listed.output and "tau" in listed.output
-    book = tmp_path / "b.txt"
-    book.write_text("hello world " * 20)
-    result = runner.invoke(app, ["ppl", str(book), "--method", "pod", "-o", f"groups={tmp_path / 'none.json'}"])
-    assert result.exit_code != 0
-    assert isinstance(result.exception, UsageError) and "not found" in str(result.exception)
+    listed = invoke("methods")
+    assert listed.exit_code == 0 and "pod" in listed.stdout and "tau" in listed.stdout
+    for option, message in ((f"groups={tmp_path / 'none.json'}", "not found"), ("tau=2", "tau must be between")):
+        result = invoke("ppl", book, "--method", "pod", "-o", option)
+        assert result.exit_code != 0
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_shipped_groups_match_the_default_model_shape():
@@ -329,7 +323,7 @@ def test_shipped_groups_match_the_default_model_shape():
     assert groups.threshold == 0.5 and groups.q == 16
     assert resolve("auto", config).groups == groups.groups
     assert 0.0 < groups.theoretical_kv_saving() < 0.5
-    regrouped = groups.regroup(0.0)  # everything similar: one block per KV head
+    regrouped = regroup(groups, 0.0)  # everything similar: one block per KV head
     assert regrouped.blocks_per_kv_head() == [1, 1, 1]
 
 

@@ -5,7 +5,7 @@ query, sliding with it) get full attention in every layer; distant tokens are sc
 block of similar layers, with the lead (lowest) layer's queries and keys, and weigh each layer's own
 values (Eq. 3-4). So a distant token's key is stored only in the lead layer of each KV head's block,
 and its values in every layer: the memory saving. The blocks come from a groups file
-(:mod:`kvcli.pod.calibrate`); kvcli ships one for its default model. See :mod:`kvcli.pod` and the PoD
+(:mod:`kvcli.analysis.calibrate`); kvcli ships one for its default model. See :mod:`kvcli.pod` and the PoD
 section of docs/methods.md.
 """
 
@@ -30,7 +30,7 @@ class PoD(Method):
     unbounded = True
     description = ("Keep every token; distant tokens share one set of keys per block of similar layers "
                    "(keys only in each block's lead layer, values everywhere). Ignores --cache.")
-    groups: str = param("auto", "layer groups JSON (kvcli.pod.calibrate); auto = the file shipped for the model")
+    groups: str = param("auto", "layer groups JSON (kvcli.analysis.calibrate); auto = the file shipped for the model")
     sinks: int = param(16, "n_s: initial tokens that are always proximal (full attention in every layer)")
     recent: int = param(1008, "n_r: latest tokens before each query, itself included, that are proximal")
     tau: float | None = param(None, "gate threshold (App. B.4): a query whose proximal share g >= tau skips "

@@ -10,7 +10,7 @@ input of the ``pod`` method. It is plain JSON so that it can be read, diffed and
   model the groups belong to; a file for another shape is refused with one clear line.
 * ``threshold``, ``q``, ``samples``, ``tokens_per_sample``, ``seed`` and ``source`` record how the
   groups were calibrated, ``similarity`` the per-query-head ``1 - JS`` matrices they came from
-  (so :meth:`GroupsFile.regroup` can try another threshold without re-running the model).
+  (so :func:`kvcli.analysis.calibrate.regroup` can try another threshold without re-running the model).
 * ``theoretical_kv_saving`` is the share of KV bytes saved once nearly every token is distant:
   ``(L * H - sum_h blocks_h) / (2 * L * H)``: per distant token each KV head keeps values in all L
   layers but keys only in its ``blocks_h`` leads.
@@ -101,18 +101,7 @@ class GroupsFile:
                 f"{where} are for {self.model} ({self.shape.layers} layers, {self.shape.heads} heads, "
                 f"{self.shape.kv_heads} KV heads, head size {self.shape.head_dim}); this model has {shape.layers} "
                 f"layers, {shape.heads} heads, {shape.kv_heads} KV heads, head size {shape.head_dim}: "
-                "calibrate groups for it (kvcli.pod.calibrate)")
-
-    def regroup(self, threshold: float) -> GroupsFile:
-        """The same calibration grouped at another threshold (needs the stored similarity)."""
-        from kvcli.pod.calibrate import groups_from_similarity
-
-        if self.similarity is None:
-            raise UsageError("this groups file has no similarity matrices: calibrate again to regroup it")
-        check_threshold(threshold)
-        groups = groups_from_similarity(torch.tensor(self.similarity), self.shape.kv_heads, threshold)
-        return GroupsFile(self.model, self.shape, groups, threshold, self.q, self.samples, self.tokens_per_sample,
-                          self.seed, self.source, self.similarity, dict(self.notes))
+                "calibrate groups for it (kvcli.analysis.calibrate)")
 
     @classmethod
     def separate(cls, config, model: str = "model") -> GroupsFile:
@@ -202,7 +191,7 @@ def shipped_for(config) -> GroupsFile:
         if groups.shape == shape:
             return groups
     raise UsageError(f"kvcli ships no PoD groups for this model ({shape.model_type}, {shape.layers} layers, "
-                     f"{shape.heads} heads, {shape.kv_heads} KV heads): calibrate some (kvcli.pod.calibrate) "
+                     f"{shape.heads} heads, {shape.kv_heads} KV heads): calibrate some (kvcli.analysis.calibrate) "
                      "and pass -o groups=FILE")
 
 

@@ -77,7 +77,7 @@ def similarity_of(model: torch.nn.Module, sequences: list[torch.Tensor], q: int,
     Every sequence contributes its last ``q`` queries with equal weight, so the mean of the
     per-sequence similarities is the paper's mean over all ``N x q`` distributions.
     """
-    from kvcli.analysis import layer_similarity, record_attention
+    from kvcli.analysis import layer_similarity, record_attention  # the package's top level, not its modules
 
     total: torch.Tensor | None = None
     for i, ids in enumerate(sequences):
@@ -96,6 +96,16 @@ def groups_from_similarity(sim: torch.Tensor, kv_heads: int, threshold: float) -
     from kvcli.analysis import greedy_layer_groups, group_vote
 
     return [greedy_layer_groups(vote) for vote in group_vote(sim, kv_heads, threshold)]
+
+
+def regroup(groups: GroupsFile, threshold: float) -> GroupsFile:
+    """The same calibration grouped at another threshold, from the similarity the file stores (no model needed)."""
+    if groups.similarity is None:
+        raise UsageError("this groups file has no similarity matrices: calibrate again to regroup it")
+    check_threshold(threshold)
+    blocks = groups_from_similarity(torch.tensor(groups.similarity), groups.shape.kv_heads, threshold)
+    return GroupsFile(groups.model, groups.shape, blocks, threshold, groups.q, groups.samples,
+                      groups.tokens_per_sample, groups.seed, groups.source, groups.similarity, dict(groups.notes))
 
 
 def calibrate(model: torch.nn.Module, tokenizer, documents: Iterable, threshold: float = DEFAULT_THRESHOLD,
@@ -124,7 +134,7 @@ def calibrate(model: torch.nn.Module, tokenizer, documents: Iterable, threshold:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kvcli.pod.calibrate SOURCE... --out FILE``: calibrate and save (until a CLI command exists)."""
+    """``python -m kvcli.analysis.calibrate SOURCE... --out FILE``: calibrate and save (until a CLI command exists)."""
     import argparse
     import sys
     import time
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvcli.models import DEFAULT_MODEL, load_model
     from kvcli.text import open_source
 
-    parser = argparse.ArgumentParser(prog="python -m kvcli.pod.calibrate", description=calibrate.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvcli.analysis.calibrate", description=calibrate.__doc__)
     parser.add_argument("sources", nargs="+", help="text files or folders of .txt files")
     parser.add_argument("--out", required=True, help="groups file to write (JSON)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
