@@ -232,7 +232,7 @@ class LayerView:
 
     @property
     def num_heads(self) -> int:
-        return self.layer.keys.shape[1]
+        return self.layer.values.shape[1]  # values hold every KV head (PoD keeps some keys only in a lead)
 
     @property
     def token_idx(self) -> torch.Tensor:

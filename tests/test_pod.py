@@ -359,3 +359,67 @@ def test_calibrate_on_a_tiny_model(tmp_path, smol_tokenizer, tiny_model_dir):
     assert method.new_cache(loaded.model).plan.leads.shape == (2, 2)
     with pytest.raises(UsageError, match="trained context"):
         calibrate(loaded.model, loaded.tokenizer, docs, n=1, length=100_000)
+
+
+# --- PoD with a token selection at a fixed budget (issue #12 item 4, beyond the paper) ----------------------
+
+
+def run_budget(model, method, ids, budget, block=16):
+    engine = Engine(model, method, budget, block=block)
+    cache = engine.new_cache()
+    hidden = torch.cat([engine.forward(cache, ids[None, i:i + block]) for i in range(0, ids.shape[0], block)])
+    return hidden, cache
+
+
+@pytest.mark.parametrize("select,options", [("streamingllm", {"sinks": 4}), ("snapkv", {"sinks": 4, "recent": 7}),
+                                            ("treekv", {"sinks": 4, "recent": 7}), ("h2o", {"sinks": 4, "recent": 7})])
+def test_pod_selection_without_sharing_is_the_selection_itself(select, options):
+    """Every layer its own block: PoD + selection keeps, rotates and attends exactly like the selection alone."""
+    model = tiny()
+    ids = torch.randint(0, 128, (160,), generator=torch.Generator().manual_seed(8))
+    alone, alone_cache = run_budget(model, make_method(select, options), ids, 48)
+    pod = make_method("pod", {"groups": GroupsFile.separate(model.config), "sinks": 4, "recent": 8, "select": select})
+    both, cache = run_budget(model, pod, ids, 48)
+    assert torch.equal(both, alone)
+    assert [layer.token_idx.tolist() for layer in cache.layers] == [
+        layer.token_idx.tolist() for layer in alone_cache.layers]
+
+
+@pytest.mark.parametrize("select", ["streamingllm", "snapkv", "treekv", "tova"])
+def test_pod_selection_shares_the_leads_choice_and_holds_fewer_bytes(select):
+    model = tiny()
+    ids = torch.randint(0, 128, (160,), generator=torch.Generator().manual_seed(9))
+    pod = make_method("pod", {"groups": groups_for(model), "sinks": 4, "recent": 8, "select": select})
+    _, cache = run_budget(model, pod, ids, 48)
+    plan = cache.plan
+    for layer in cache.layers:
+        assert layer.get_seq_length() == 48
+        assert layer.near_keys.shape[2] == 4 + 7  # proximal keys survive every selection
+        for head in range(2):  # each head keeps, in every layer, the tokens its block's lead chose
+            lead = cache.layers[plan.lead_of(head, layer.layer_idx)]
+            assert layer.token_idx[head].tolist() == lead.token_idx[head].tolist()
+    _, plain = run_budget(model, make_method(select, {"sinks": 4} if select == "streamingllm" else
+                                             {"sinks": 4, "recent": 7}), ids, 48)
+    assert cache.nbytes() < plain.nbytes()
+
+
+def test_equal_bytes_budget_keeps_more_tokens_in_no_more_bytes():
+    model = tiny()
+    groups = groups_for(model)
+    budget = groups.equal_bytes_budget(48, 4, 8)
+    assert budget > 48
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(10))
+    _, cache = run_budget(model, make_method("pod", {"groups": groups, "sinks": 4, "recent": 8,
+                                                     "select": "streamingllm"}), ids, budget)
+    _, plain = run_budget(model, make_method("streamingllm", {"sinks": 4}), ids, 48)
+    assert max(cache.lengths()) == budget and cache.nbytes() <= plain.nbytes()
+
+
+def test_pod_selection_bad_input():
+    with pytest.raises(UsageError, match="select must be"):
+        make_method("pod", {"select": "full"})
+    from kvcli.errors import BudgetError
+
+    with pytest.raises(BudgetError):
+        make_method("pod", {"select": "streamingllm", "sinks": 4, "recent": 8}).validate(11)
+    assert make_method("pod").unbounded and not make_method("pod", {"select": "snapkv"}).unbounded

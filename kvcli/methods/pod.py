@@ -15,12 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcli.errors import UsageError
+from kvcli.cache import LayerView
+from kvcli.errors import BudgetError, UsageError
 from kvcli.methods.base import Method, param
-from kvcli.methods.registry import register
+from kvcli.methods.registry import METHODS, register
 from kvcli.pod.attention import SharingPlan
 from kvcli.pod.cache import PodCache
 from kvcli.pod.groups import GroupsFile, resolve
+
+#: Selection methods PoD can run on the distant region: they choose per KV head with a uniform budget.
+SELECTORS = ("streamingllm", "snapkv", "treekv", "h2o", "tova")
 
 
 @register
@@ -29,12 +33,14 @@ class PoD(Method):
     name = "pod"
     unbounded = True
     description = ("Keep every token; distant tokens share one set of keys per block of similar layers "
-                   "(keys only in each block's lead layer, values everywhere). Ignores --cache.")
+                   "(keys only in each block's lead layer, values everywhere). Ignores --cache unless `select` is set.")
     groups: str = param("auto", "layer groups JSON (kvcli.analysis.calibrate); auto = the file shipped for the model")
     sinks: int = param(16, "n_s: initial tokens that are always proximal (full attention in every layer)")
     recent: int = param(1008, "n_r: latest tokens before each query, itself included, that are proximal")
     tau: float | None = param(None, "gate threshold (App. B.4): a query whose proximal share g >= tau skips "
                               "distant tokens in non-lead layers; default: never skip")
+    select: str = param("none", "token selection at the --cache budget (beyond the paper): none keeps every token, "
+                        "or a method (streamingllm, snapkv, treekv, h2o, tova) chooses per block of layers")
 
     def __post_init__(self) -> None:
         if self.sinks < 0:
@@ -45,6 +51,50 @@ class PoD(Method):
             raise UsageError(f"pod: tau must be between 0 and 1, not {self.tau}")
         if isinstance(self.groups, str) and self.groups not in ("", "auto"):
             GroupsFile.load(self.groups)  # a missing or malformed file fails before the model loads
+        self.inner: Method | None = None
+        if self.select != "none":
+            if self.select not in SELECTORS:
+                raise UsageError(f"pod: select must be none or one of {', '.join(SELECTORS)}, not {self.select!r}")
+            from kvcli.methods.registry import make_method
+
+            options: dict[str, object] = {"sinks": self.sinks}
+            if METHODS[self.select].has_param("recent"):
+                options["recent"] = self.recent - 1  # the proximal keys the next query needs stay in every layer
+            self.inner = make_method(self.select, options)
+        # Without a selection PoD keeps every token and takes no budget (like full).
+        self.unbounded = self.inner is None
+        self._chosen: dict[int, torch.Tensor | None] = {}
+
+    def validate(self, budget: int) -> None:
+        if self.inner is not None:
+            if budget < self.sinks + self.recent:
+                need = self.sinks + self.recent
+                raise BudgetError(budget, need, "pod's sinks + recent - 1 proximal tokens + 1 selected")
+            self.inner.validate(budget)
+
+    def score_window(self, block_len: int) -> int:
+        return self.inner.score_window(block_len) if self.inner is not None else 0
+
+    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
+        """The selection method's choice, made per KV head by the lead layer of its block.
+
+        Distant keys live only in the lead, so every layer of a block must keep the tokens its lead
+        keeps: the lead's choice (from the lead's own scores) is applied to the whole block. The
+        selection still runs in every layer, so scores it accumulates per layer stay up to date.
+        """
+        if self.inner is None:
+            return None
+        layer = view.layer_idx
+        if layer == 0:
+            self._chosen = {}
+        self._chosen[layer] = self.inner.compress(view, budget)
+        leads = view.layer.owner.plan.leads[:, layer].tolist()
+        rows = [self._chosen[lead] for lead in leads]
+        if all(row is None for row in rows):
+            return None
+        if any(row is None for row in rows):
+            raise RuntimeError("pod: layers of one block disagree on whether to compress")
+        return torch.stack([row[h] for h, row in enumerate(rows)])
 
     def settings(self) -> dict:
         out = super().settings()

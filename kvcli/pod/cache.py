@@ -189,7 +189,29 @@ class PodLayer(CompressedLayer):
         self.near_sinks, self.near_recent = sinks, recent
 
     def keep(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("pod keeps every token (token selection for the distant region is not built yet)")
+        """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending): PoD with a token selection.
+
+        Values and bookkeeping are gathered for every head, lead keys for the lead heads. The other
+        heads' proximal keys stay as they are: the selection must keep the first ``n_s`` and the last
+        ``n_r - 1`` slots (``pod`` protects them), which are again the first and last slots after it.
+        """
+        heads, count = indices.shape
+        length = self.get_seq_length()
+        if self.other_heads:
+            near = self.near_slots()
+            kept = indices[self.other_heads]
+            first, last = kept[:, :self.near_sinks], kept[:, count - self.near_recent:]
+            if (count < near.shape[0] or not bool((first == near[:self.near_sinks]).all())
+                    or not bool((last == near[self.near_sinks:]).all())):
+                raise RuntimeError("PoD: a selection dropped a proximal token of a non-lead layer")
+        gather = indices[None, :, :, None]
+        self.values = self.values.gather(2, gather.expand(1, heads, count, self.values.shape[-1]))
+        lead = indices[self.lead_heads][None, :, :, None]
+        self.keys = self.keys.gather(2, lead.expand(1, len(self.lead_heads), count, self.keys.shape[-1]))
+        self.entry_pos = self.entry_pos.gather(1, indices)
+        self.token_idx = self.token_idx.gather(1, indices)
+        self.state = {name: value.gather(1, indices) for name, value in self.state.items()}
+        self.moved = self.moved or count < length
 
     def nbytes(self) -> int:
         if self.values is None:

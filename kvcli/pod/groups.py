@@ -93,6 +93,19 @@ class GroupsFile:
         layers, kv_heads = self.shape.layers, self.shape.kv_heads
         return (layers * kv_heads - sum(self.blocks_per_kv_head())) / (2 * layers * kv_heads)
 
+    def equal_bytes_budget(self, budget: int, sinks: int, recent: int) -> int:
+        """Tokens per layer PoD with a selection may keep in the bytes of a plain cache of ``budget`` tokens.
+
+        A plain layer holds keys and values of ``budget`` tokens for every KV head: ``2·L·H·B`` vectors.
+        PoD holds values of ``B'`` tokens everywhere, keys of ``B'`` tokens in each head's leads (``S``
+        (layer, head) pairs) and the ``P = sinks + recent - 1`` proximal keys in the other ``L·H - S``:
+        ``B' = (2·L·H·B - (L·H - S)·P) / (L·H + S)``, rounded down (never more bytes than the plain cache).
+        """
+        pairs = self.shape.layers * self.shape.kv_heads
+        leads = sum(self.blocks_per_kv_head())
+        proximal = sinks + max(recent - 1, 0)
+        return max((2 * pairs * budget - (pairs - leads) * min(proximal, budget)) // (pairs + leads), budget)
+
     def check_model(self, config, where: str = "groups") -> None:
         """Raise :class:`UsageError` unless the model has the layers and heads these groups were made for."""
         shape = ModelShape.of(config)
