@@ -3,6 +3,7 @@ model against full attention without sharing, memory actually freed, groups file
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -423,3 +424,42 @@ def test_pod_selection_bad_input():
     with pytest.raises(BudgetError):
         make_method("pod", {"select": "streamingllm", "sinks": 4, "recent": 8}).validate(11)
     assert make_method("pod").unbounded and not make_method("pod", {"select": "snapkv"}).unbounded
+
+
+# --- post-training (section 2.2) -------------------------------------------------------------------------------
+
+
+def test_adapt_trains_resumes_and_saves_a_folder_pod_loads(tmp_path, tiny_model_dir):
+    from kvcli.adapt import STATE_FILE, adapt
+    from kvcli.models import load_model
+    from kvcli.text import open_source
+
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"word{i % 53} then text" for i in range(1500)))
+    docs = open_source(str(book))
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    model = copy.deepcopy(loaded.model)  # load_model's instance is shared with other tests
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    groups = GroupsFile("tiny", ModelShape.of(model.config), [[[0, 1]], [[0], [1]]])
+    out = tmp_path / "adapted"
+    seen: list[int] = []
+
+    def stop_after_two(step, total, loss):
+        seen.append(step)
+        assert math.isfinite(loss)
+        if step == 2:
+            raise KeyboardInterrupt  # Ctrl-C: the state is saved and the run says it was interrupted
+
+    first = adapt(model, loaded.tokenizer, docs, groups, out, tokens=5 * 64, seq_len=64, lr=1e-3, sinks=2, recent=8,
+                  on_step=stop_after_two)
+    assert first.interrupted and first.steps == 2 and (out / STATE_FILE).is_file()
+    second = adapt(model, loaded.tokenizer, docs, groups, out, tokens=5 * 64, seq_len=64, lr=1e-3, sinks=2, recent=8,
+                   on_step=lambda step, total, loss: seen.append(step))
+    assert second.resumed_from == 2 and second.steps == 5 and not second.interrupted
+    assert seen == [1, 2, 3, 4, 5] and not (out / STATE_FILE).exists()
+    assert any(not torch.equal(before[name], p) for name, p in model.named_parameters())
+    adapted = load_model(str(out), device="cpu", dtype="float32")
+    method = make_method("pod", {"sinks": 2, "recent": 8})  # groups=auto finds out/pod_groups.json
+    ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(0))
+    hidden, cache = stream(adapted.model, method, ids, 16)
+    assert cache.plan.leads.tolist() == [[0, 0], [0, 1]] and torch.isfinite(hidden).all()

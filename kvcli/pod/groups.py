@@ -28,6 +28,8 @@ import torch
 from kvcli.errors import UsageError
 
 FORMAT = "kvcli-pod-groups/1"
+#: A model folder written by PoD's post-training holds its groups under this name (``auto`` finds them).
+GROUPS_IN_MODEL_FOLDER = "pod_groups.json"
 #: Folder of ``kvcli.pod`` holding the groups shipped with kvcli (one JSON file per supported model).
 SHIPPED = "shipped"
 
@@ -209,11 +211,13 @@ def shipped_for(config) -> GroupsFile:
 
 
 def resolve(spec: str | GroupsFile, config) -> GroupsFile:
-    """The groups the ``pod`` method runs with: a file, ``auto`` (shipped for this model), checked against it."""
+    """The groups the ``pod`` method runs with, checked against the model: a file, or ``auto``: the
+    ``pod_groups.json`` of a model folder written by post-training, else the shipped groups for its shape."""
     if isinstance(spec, GroupsFile):
         groups = spec
     elif spec in ("", "auto"):
-        groups = shipped_for(config)
+        beside = Path(str(getattr(config, "_name_or_path", "") or "")) / GROUPS_IN_MODEL_FOLDER
+        groups = GroupsFile.load(beside) if beside.is_file() else shipped_for(config)
     else:
         groups = GroupsFile.load(spec)
     groups.check_model(config, where=groups.model if isinstance(spec, GroupsFile) or spec == "auto" else str(spec))

@@ -1,0 +1,153 @@
+"""PoD's lightweight post-training (section 2.2): fine-tune a model with PoD attention active.
+
+PoD changes what the non-lead layers of a block see (distant scores come from the lead), so the
+paper continues training on a few billion tokens with the sharing structure in place (learning rate
+1e-5, cosine schedule). This is that loop at kvcli's scale: full fine-tuning (every weight; no
+adapter library is needed), next-token loss over consecutive ``seq_len``-token pieces of the
+documents, PoD attention through :func:`kvcli.pod.attention.sequence_attention` (differentiable,
+the same computation the cache path runs, see ``tests/test_pod.py``).
+
+What it writes into ``out``:
+
+* a Hugging Face model folder (weights, config, tokenizer) that ``load_model(out)`` loads, and
+  ``pod_groups.json`` beside it, which ``-o groups=auto`` picks for that folder;
+* ``adapt-state.pt`` while training: weights, optimizer, step; :func:`adapt` resumes from it, and
+  Ctrl-C saves it (and the model so far) before it stops. It is removed when training completes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcli.errors import UsageError
+from kvcli.pod.attention import (
+    SEQUENCE_ATTENTION,
+    SHARED_KWARG,
+    SharedForward,
+    SharingPlan,
+    register_sequence_attention,
+)
+from kvcli.pod.groups import GROUPS_IN_MODEL_FOLDER, GroupsFile
+
+STATE_FILE = "adapt-state.pt"
+
+
+@dataclass
+class AdaptResult:
+    """How a run of :func:`adapt` ended."""
+
+    out: Path
+    steps: int  # optimizer steps done in total (resumed ones included)
+    total_steps: int
+    tokens: int  # tokens trained on in total
+    losses: list[float]  # loss of every step of this run
+    seconds: float
+    interrupted: bool = False
+    resumed_from: int = 0
+
+
+def training_pieces(documents: Iterable, tokenizer, seq_len: int) -> Iterator[torch.Tensor]:
+    """Consecutive ``seq_len + 1``-token pieces of the documents' token stream (inputs and next-token targets)."""
+    from kvcli.text import token_stream
+
+    buffer: list[int] = []
+    for chunk in token_stream(list(documents), tokenizer):
+        buffer.extend(chunk.ids)
+        while len(buffer) >= seq_len + 1:
+            yield torch.tensor(buffer[: seq_len + 1], dtype=torch.long)
+            buffer = buffer[seq_len:]  # the last target is the next piece's first input
+
+
+def cosine_lr(step: int, total: int, lr: float) -> float:
+    """The paper's cosine annealing, from ``lr`` at step 0 to 0 after ``total`` steps."""
+    return 0.5 * lr * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: GroupsFile, out: str | Path, *,
+          tokens: int, seq_len: int = 1024, lr: float = 1e-5, sinks: int = 16, recent: int = 1008,
+          save_every: int = 50, seed: int = 0,
+          on_step: Callable[[int, int, float], None] | None = None) -> AdaptResult:
+    """Fine-tune ``model`` on ``tokens`` tokens of ``documents`` with PoD attention (``groups``, n_s, n_r) active.
+
+    One optimizer step per ``seq_len``-token piece (AdamW, cosine learning rate from ``lr``). Every
+    ``save_every`` steps and on Ctrl-C the state goes to ``out/adapt-state.pt``; calling again with
+    the same ``out`` resumes after the last saved step (the pieces are deterministic). The model is
+    saved to ``out`` as a Hugging Face folder with ``pod_groups.json``. ``on_step(step, total, loss)``
+    reports progress.
+    """
+    groups.check_model(model.config)
+    if tokens < seq_len or seq_len < 2:
+        raise UsageError(f"need at least one piece: tokens ({tokens}) >= tokens per piece ({seq_len}) >= 2")
+    if lr <= 0:
+        raise UsageError(f"the learning rate must be positive, not {lr}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    total = tokens // seq_len
+    plan = SharingPlan(groups.leads(), sinks, recent)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    start = 0
+    state_path = out / STATE_FILE
+    if state_path.is_file():
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        if state.get("groups") != groups.groups or state.get("total") != total:
+            raise UsageError(f"{state_path} belongs to another run (groups or tokens differ): use another --out")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+
+    def save_state(step: int) -> None:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "total": total, "groups": groups.groups}, state_path)
+
+    register_sequence_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(SEQUENCE_ATTENTION)
+    device = next(model.parameters()).device
+    model.train()
+    losses: list[float] = []
+    step = start
+    started = time.perf_counter()
+    interrupted = False
+    try:
+        for index, piece in enumerate(training_pieces(documents, tokenizer, seq_len)):
+            if index >= total:
+                break
+            if index < start:
+                continue
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_lr(step, total, lr)
+            piece = piece.to(device)
+            logits = model(input_ids=piece[None, :-1], use_cache=False, **{SHARED_KWARG: SharedForward(plan)}).logits
+            loss = torch.nn.functional.cross_entropy(logits[0].float(), piece[1:])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            losses.append(float(loss.detach()))
+            if on_step:
+                on_step(step, total, losses[-1])
+            if save_every and step % save_every == 0 and step < total:
+                save_state(step)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        model.eval()
+        model.set_attn_implementation(previous)
+    if step == start and not interrupted and start < total:
+        raise UsageError(f"the documents hold fewer than {seq_len + 1} tokens: nothing to train on")
+    if interrupted or step < total:
+        save_state(step)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    groups.save(out / GROUPS_IN_MODEL_FOLDER)
+    if step >= total and state_path.is_file():
+        state_path.unlink()
+    return AdaptResult(out, step, total, step * seq_len, losses, time.perf_counter() - started,
+                       interrupted or step < total, start)
