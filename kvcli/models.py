@@ -149,6 +149,13 @@ def load_model(
     return _LOADED[key]
 
 
+def discard(loaded: LoadedModel) -> None:
+    """Forget ``loaded`` (its weights are about to change, as in ``kvcli adapt``): the next load reads it again."""
+    for key, value in list(_LOADED.items()):
+        if value is loaded:
+            del _LOADED[key]
+
+
 def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, load_in_4bit: bool,
                 load_in_8bit: bool) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

@@ -463,3 +463,25 @@ def test_adapt_trains_resumes_and_saves_a_folder_pod_loads(tmp_path, tiny_model_
     ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(0))
     hidden, cache = stream(adapted.model, method, ids, 16)
     assert cache.plan.leads.tolist() == [[0, 0], [0, 1]] and torch.isfinite(hidden).all()
+
+
+def test_calibrate_and_adapt_commands_on_the_tiny_model(invoke, tmp_path, tiny_model_dir):
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"word{i % 41} and so on" for i in range(1500)))
+    groups = tmp_path / "groups.json"
+    result = invoke("calibrate", book, "--out", groups, "--model", tiny_model_dir, "--samples", 2, "--tokens", 64,
+                    "--q", 4, "--quiet", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["samples"] == 2 and GroupsFile.load(groups).q == 4
+    out = tmp_path / "adapted"
+    result = invoke("adapt", "--model", tiny_model_dir, "--data", book, "--groups", groups, "--tokens", 128,
+                    "--seq-len", 64, "--lr", "1e-3", "--sinks", 2, "--recent", 8, "--out", out, "--quiet", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["steps"] == 2
+    scored = invoke("ppl", book, "--model", out, "--method", "pod", "-o", "sinks=2", "-o", "recent=8",
+                    "--max-tokens", 100, "--quiet", "--json")
+    assert scored.exit_code == 0, scored.stderr
+    report = json.loads(scored.stdout)
+    assert report["cache"] is None and report["kv_cache_bytes"] < report["full_kv_cache_bytes"]
+    bad = invoke("adapt", "--model", tiny_model_dir, "--data", book, "--tokens", 128, "--out", out, "--quiet")
+    assert bad.exit_code != 0 and "ships no PoD groups" in bad.stderr

@@ -14,7 +14,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from kvcli.cli import analyze, bench, listing, needle, perplexity, reading
+from kvcli.cli import analyze, bench, listing, needle, perplexity, pod, reading
 from kvcli.errors import BudgetError, KvcliError, UsageError
 
 
@@ -51,6 +51,8 @@ app.command()(reading.ask)
 app.command()(needle.needle)
 app.command()(bench.bench)
 app.command()(analyze.analyze)
+app.command()(pod.calibrate)
+app.command()(pod.adapt)
 app.command()(listing.methods)
 app.command()(listing.presets)
 
