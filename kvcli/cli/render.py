@@ -31,8 +31,10 @@ def ppl_summary(result: dict) -> str:
     cache = "unbounded" if result["cache"] is None else f"{result['cache']:,} tokens/layer"
     lines.append(f"{result['model']} · {result['method']} · cache {cache} · block {result['block']} · "
                  f"{result['protocol']}")
-    lines.append(f"KV cache {mib(result['kv_cache_bytes'])} (uncompressed: {mib(result['full_kv_cache_bytes'])})"
-                 f" · peak memory {mib(result['peak_memory_bytes'])}")
+    full = result["full_kv_cache_bytes"]
+    share = f"{result['kv_cache_bytes'] / full:.1%} of " if full else ""
+    lines.append(f"KV cache {mib(result['kv_cache_bytes'])} ({share}an uncompressed cache of the same tokens: "
+                 f"{mib(full)}) · peak memory {mib(result['peak_memory_bytes'])}")
     lines.append(f"{result['seconds']:.1f} s · {result['tokens_per_second']:,.0f} tokens/s on "
                  f"{result['device']} ({result['dtype']})")
     for row in result.get("documents", []):
