@@ -1,12 +1,15 @@
 """Run from the repository root: PYTHONPATH=. python docs/results/pod_select_32k.py BOOK 1024 32768 snapkv streamingllm
 
 PoD + selection vs selection alone at equal kv_cache_bytes, first 32,768 scored tokens of a book (as kvcli ppl)."""
-import json, sys, time
+import json
+import sys
+import time
+
 from kvcli.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models import load_model
 from kvcli.pod.groups import shipped_groups
-from kvcli.text import open_source, first_tokens
+from kvcli.text import first_tokens, open_source
 
 book, budget, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 loaded = load_model("smollm2-135m")
