@@ -84,11 +84,9 @@ class ScoredMethod(Method):
     :meth:`observe` runs after every forward, over budget or not, for methods whose scores
     accumulate across blocks (H2O, PyramidInfer); :meth:`score` runs only when the layer must shrink.
     The sinks and the recent window are always kept; ties go to the earlier token (:func:`select_top`).
-    Subclasses declare ``sinks`` and ``recent`` as parameters (their defaults differ by paper).
+    Subclasses declare ``sinks: int`` and ``recent: int | None`` as parameters (their defaults differ
+    by paper), which this class reads.
     """
-
-    sinks: ClassVar[int]
-    recent: ClassVar[int | None]
 
     def validate(self, budget: int) -> None:
         check_split(budget, self.sinks, self.recent)
