@@ -85,6 +85,19 @@ def check_budget(method: Method, budget: int | None) -> int | None:
     return budget
 
 
+def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype: torch.dtype) -> int:
+    """The budget (tokens per layer) that gives ``method`` a cache of at most ``nbytes`` bytes on ``model``.
+
+    A plain cache of B tokens per layer costs B times :func:`kv_bytes_per_token`; a method that stores
+    fewer keys per token turns those bytes into more tokens (:meth:`Method.equal_bytes_budget`).
+    """
+    per_token = kv_bytes_per_token(model, dtype)
+    plain = nbytes // per_token
+    if plain < 1:
+        raise UsageError(f"{nbytes:,} bytes cannot hold one token per layer ({per_token:,} bytes per token)")
+    return method.equal_bytes_budget(plain, model.config)
+
+
 class Engine:
     """Runs a model over token blocks with a compressed cache.
 

@@ -416,6 +416,54 @@ def test_equal_bytes_budget_keeps_more_tokens_in_no_more_bytes():
     assert max(cache.lengths()) == budget and cache.nbytes() <= plain.nbytes()
 
 
+def test_budget_for_bytes_gives_pod_selection_more_tokens_in_the_same_bytes():
+    from kvcli.engine import budget_for_bytes, kv_bytes_per_token
+
+    model = tiny()
+    nbytes = 48 * kv_bytes_per_token(model, torch.float32) + 5  # a few bytes short of 49 tokens
+    groups = groups_for(model)
+    pod = make_method("pod", {"groups": groups, "sinks": 4, "recent": 8, "select": "snapkv"})
+    assert budget_for_bytes(make_method("snapkv"), model, nbytes, torch.float32) == 48
+    assert budget_for_bytes(pod, model, nbytes, torch.float32) == groups.equal_bytes_budget(48, 4, 8)
+    assert budget_for_bytes(make_method("pod", {"groups": groups}), model, nbytes, torch.float32) == 48
+    with pytest.raises(UsageError, match="cannot hold one token"):
+        budget_for_bytes(make_method("snapkv"), model, 10, torch.float32)
+
+
+def test_parse_bytes_units_and_errors():
+    from kvcli.cli.options import parse_bytes
+
+    assert parse_bytes("47185920", "--b") == 47185920 and parse_bytes("45MiB", "--b") == 45 * 2**20
+    assert parse_bytes("1.5GB", "--b") == 1_500_000_000 and parse_bytes("2 KiB", "--b") == 2048
+    for bad in ("", "12QB", "-3", "MiB", "0"):
+        with pytest.raises(UsageError):
+            parse_bytes(bad, "--b")
+
+
+def test_ppl_cache_bytes_compares_methods_at_equal_memory(invoke, tmp_path, tiny_model_dir):
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"word{i % 37} and more" for i in range(800)))
+    from transformers import AutoConfig
+
+    config = ModelShape.of(AutoConfig.from_pretrained(tiny_model_dir))
+    groups = tmp_path / "groups.json"
+    GroupsFile("tiny", config, [[[0, 1]], [[0], [1]]]).save(groups)
+    reports = {}
+    for name, options in (("snapkv", ["-o", "sinks=2", "-o", "recent=7"]),
+                          ("pod", ["-o", f"groups={groups}", "-o", "sinks=2", "-o", "recent=8",
+                                   "-o", "select=snapkv"])):
+        result = invoke("ppl", book, "--model", tiny_model_dir, "--method", name, *options, "--cache-bytes", "24KiB",
+                        "--max-tokens", 300, "--quiet", "--json")
+        assert result.exit_code == 0, result.stderr
+        reports[name] = json.loads(result.stdout)
+    assert reports["pod"]["cache"] > reports["snapkv"]["cache"]
+    assert reports["pod"]["max_cache_tokens"] > reports["snapkv"]["max_cache_tokens"]
+    assert reports["pod"]["kv_cache_bytes"] <= reports["snapkv"]["kv_cache_bytes"] <= 24 * 1024
+    small = invoke("ppl", book, "--model", tiny_model_dir, "--method", "pod", "-o", f"groups={groups}",
+                   "-o", "select=snapkv", "--cache-bytes", "2KiB", "--quiet")
+    assert small.exit_code == 2 and small.stderr.count("\n") == 1 and "--cache-bytes 2KiB holds" in small.stderr
+
+
 def test_pod_selection_bad_input():
     with pytest.raises(UsageError, match="select must be"):
         make_method("pod", {"select": "full"})

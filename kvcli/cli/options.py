@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,22 @@ def split_list(text: str, convert: Callable[[str], Any], what: str) -> list:
 def check_cache(cache: int) -> None:
     if cache < 1:
         raise UsageError(f"--cache must be a positive number of tokens, not {cache}")
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
+               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``47185920``, ``45MiB``, ``47.2MB`` or ``1.5GiB`` as a number of bytes (decimal and binary units)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _BYTE_UNITS:
+        raise UsageError(f"{flag} {text!r}: expected bytes, e.g. 47185920, 45MiB or 1.5GB")
+    value = int(float(match.group(1)) * _BYTE_UNITS[unit])
+    if value < 1:
+        raise UsageError(f"{flag} must be at least 1 byte, not {text!r}")
+    return value
 
 
 def check_at_least(minimum: int, **values: int | None) -> None:

@@ -17,9 +17,24 @@ from kvcli.cli.options import (
     Setup,
     build_method,
     check_at_least,
+    parse_bytes,
+    parse_options,
     with_setup,
 )
-from kvcli.errors import UsageError
+from kvcli.errors import BudgetError, UsageError
+
+
+def bytes_budget(method, loaded, nbytes: int, text: str) -> int:
+    """``--cache-bytes`` as the method's budget in tokens per layer on the loaded model, checked."""
+    from kvcli.engine import budget_for_bytes, check_budget
+
+    budget = budget_for_bytes(method, loaded.model, nbytes, loaded.dtype)
+    try:
+        check_budget(method, budget)
+    except BudgetError as exc:
+        raise UsageError(f"--cache-bytes {text} holds {budget} tokens per layer, fewer than {exc.what} "
+                         f"({exc.need}): raise --cache-bytes") from None
+    return budget
 
 
 @with_setup
@@ -29,6 +44,10 @@ def ppl(
     cache: CacheOpt = 1024,
     block: BlockOpt = 256,
     option: OptionOpt = None,
+    cache_bytes: Annotated[str | None, typer.Option("--cache-bytes", help="KV budget in bytes (e.g. 45MiB), "
+                                                    "turned into tokens per layer for this method and model: "
+                                                    "compares methods at equal memory (PoD with a selection "
+                                                    "keeps more tokens in the same bytes). Replaces --cache.")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", "-n", help="Stop after this many scored "
                                                    "tokens.")] = None,
     stream: Annotated[bool, typer.Option("--stream", help="Run all documents as one continuous stream with one "
@@ -46,6 +65,7 @@ def ppl(
 ) -> None:
     """Streaming perplexity of SOURCE under a fixed-size KV cache, with memory reported."""
     from kvcli.cli.render import ppl_summary
+    from kvcli.methods import make_method
     from kvcli.perplexity import PerplexityRun, evaluate
     from kvcli.report import StreamProgress, dumps, print_result
 
@@ -56,9 +76,12 @@ def ppl(
         raise UsageError("--stride must be between 1 and --context")
     if context is not None and stream:
         raise UsageError("--stream and --context/--stride are different protocols: choose one")
-    method_obj = build_method(method, option, cache)
+    nbytes = parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None
+    method_obj = build_method(method, option, cache) if nbytes is None else make_method(method, parse_options(option))
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
+    if nbytes is not None:
+        cache = bytes_budget(method_obj, loaded, nbytes, cache_bytes)
     engine = setup.build_engine(loaded, method_obj, cache, block)
 
     progress = StreamProgress(max_tokens, loaded.device, enabled=not setup.quiet)

@@ -48,6 +48,15 @@ class Method:
         """Tokens each layer may keep, averaging ``budget``; uniform unless the method allocates across layers."""
         return [budget] * num_layers
 
+    def equal_bytes_budget(self, budget: int, config) -> int:
+        """Tokens per layer this method may keep in the bytes of a plain cache of ``budget`` tokens per layer.
+
+        The same number for every method that stores a key and a value per kept token; a method that
+        stores fewer keys (PoD with a selection) keeps more tokens in the same bytes. This is what
+        makes ``--cache-bytes`` compare methods at equal memory.
+        """
+        return budget
+
     def validate(self, budget: int) -> None:
         """Raise :class:`BudgetError` when ``budget`` cannot hold what the method always keeps, and
         :class:`UsageError` for parameters out of range."""

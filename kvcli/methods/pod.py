@@ -72,6 +72,12 @@ class PoD(Method):
                 raise BudgetError(budget, need, "pod's sinks + recent - 1 proximal tokens + 1 selected")
             self.inner.validate(budget)
 
+    def equal_bytes_budget(self, budget: int, config) -> int:
+        """With a selection, distant tokens cost only values outside the leads: more tokens in the same bytes."""
+        if self.inner is None:
+            return budget
+        return resolve(self.groups, config).equal_bytes_budget(budget, self.sinks, self.recent)
+
     def score_window(self, block_len: int) -> int:
         return self.inner.score_window(block_len) if self.inner is not None else 0
 
