@@ -70,7 +70,7 @@ def cosine_lr(step: int, total: int, lr: float) -> float:
 
 
 def adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: GroupsFile, out: str | Path, *,
-          tokens: int, seq_len: int = 1024, lr: float = 1e-5, sinks: int = 16, recent: int = 1008,
+          tokens: int, seq_len: int = 2048, lr: float = 1e-5, sinks: int = 16, recent: int = 1024,
           save_every: int = 50, seed: int = 0,
           on_step: Callable[[int, int, float], None] | None = None) -> AdaptResult:
     """Fine-tune ``model`` on ``tokens`` tokens of ``documents`` with PoD attention (``groups``, n_s, n_r) active.
@@ -84,6 +84,9 @@ def adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: Groups
     groups.check_model(model.config)
     if tokens < seq_len or seq_len < 2:
         raise UsageError(f"need at least one piece: tokens ({tokens}) >= tokens per piece ({seq_len}) >= 2")
+    if seq_len <= sinks + recent:  # every token would be proximal: the sharing would not be trained at all
+        raise UsageError(f"no query of a {seq_len}-token sequence sees a distant token with {sinks} sinks + {recent} "
+                         "recent: raise the tokens per sequence or lower the recent window")
     if lr <= 0:
         raise UsageError(f"the learning rate must be positive, not {lr}")
     out = Path(out)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kvcli.analysis.calibrate import calibrate, groups_from_similarity, regroup, sample_sequences
+from kvcli.analysis.calibrate import calibrate, sample_sequences
 from kvcli.attention import explicit_attention
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
@@ -27,7 +27,7 @@ from kvcli.pod.attention import (
     shared_attention,
 )
 from kvcli.pod.cache import PodCache
-from kvcli.pod.groups import GroupsFile, ModelShape, resolve, shipped_for, shipped_groups
+from kvcli.pod.groups import GroupsFile, ModelShape, groups_from_similarity, resolve, shipped_for, shipped_groups
 
 # --- Eq. 3-4, literally ----------------------------------------------------------------------------------
 
@@ -321,11 +321,16 @@ def test_shipped_groups_match_the_default_model_shape():
     config = LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64)
     groups = shipped_for(config)
-    assert groups.threshold == 0.5 and groups.q == 16
+    assert groups.threshold == 0.55 and groups.q == 16  # shipped stricter than the paper's 0.5 (docs/methods.md)
     assert resolve("auto", config).groups == groups.groups
     assert 0.0 < groups.theoretical_kv_saving() < 0.5
-    regrouped = regroup(groups, 0.0)  # everything similar: one block per KV head
+    regrouped = groups.regrouped(0.0)  # everything similar: one block per KV head
     assert regrouped.blocks_per_kv_head() == [1, 1, 1]
+    paper = groups.regrouped(0.5)  # a lower threshold merges more layers: fewer blocks, more saved
+    assert sum(paper.blocks_per_kv_head()) < sum(groups.blocks_per_kv_head())
+    assert make_method("pod", {"threshold": 0.5}).layer_groups(config).groups == paper.groups
+    with pytest.raises(UsageError, match="threshold must be between"):
+        make_method("pod", {"threshold": 1.5})
 
 
 # --- calibration ---------------------------------------------------------------------------------------------
@@ -498,6 +503,8 @@ def test_adapt_trains_resumes_and_saves_a_folder_pod_loads(tmp_path, tiny_model_
         if step == 2:
             raise KeyboardInterrupt  # Ctrl-C: the state is saved and the run says it was interrupted
 
+    with pytest.raises(UsageError, match="sees a distant token"):  # everything proximal: nothing to adapt
+        adapt(model, loaded.tokenizer, docs, groups, out, tokens=5 * 64, seq_len=64, sinks=2, recent=62)
     first = adapt(model, loaded.tokenizer, docs, groups, out, tokens=5 * 64, seq_len=64, lr=1e-3, sinks=2, recent=8,
                   on_step=stop_after_two)
     assert first.interrupted and first.steps == 2 and (out / STATE_FILE).is_file()

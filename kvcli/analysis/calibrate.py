@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from kvcli.errors import UsageError
-from kvcli.pod.groups import GroupsFile, ModelShape, check_threshold
+from kvcli.pod.groups import GroupsFile, ModelShape, check_threshold, groups_from_similarity
 
 DEFAULT_SAMPLES = 16
 DEFAULT_LENGTH = 2048
@@ -89,23 +89,6 @@ def similarity_of(model: torch.nn.Module, sequences: list[torch.Tensor], q: int,
             on_sample(i + 1, len(sequences))
     assert total is not None
     return total / len(sequences)
-
-
-def groups_from_similarity(sim: torch.Tensor, kv_heads: int, threshold: float) -> list[list[list[int]]]:
-    """Majority vote per KV head (appendix B.2), then Algorithm 1's greedy grouping for each KV head."""
-    from kvcli.analysis import greedy_layer_groups, group_vote
-
-    return [greedy_layer_groups(vote) for vote in group_vote(sim, kv_heads, threshold)]
-
-
-def regroup(groups: GroupsFile, threshold: float) -> GroupsFile:
-    """The same calibration grouped at another threshold, from the similarity the file stores (no model needed)."""
-    if groups.similarity is None:
-        raise UsageError("this groups file has no similarity matrices: calibrate again to regroup it")
-    check_threshold(threshold)
-    blocks = groups_from_similarity(torch.tensor(groups.similarity), groups.shape.kv_heads, threshold)
-    return GroupsFile(groups.model, groups.shape, blocks, threshold, groups.q, groups.samples,
-                      groups.tokens_per_sample, groups.seed, groups.source, groups.similarity, dict(groups.notes))
 
 
 def calibrate(model: torch.nn.Module, tokenizer, documents: Iterable, threshold: float = DEFAULT_THRESHOLD,

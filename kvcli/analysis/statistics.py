@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcli.analysis.record import AttentionSample
+from kvcli.pod.groups import greedy_layer_groups, group_vote
 
 LOG2 = math.log(2.0)
 
@@ -110,34 +111,6 @@ def layer_similarity(probs: Sequence[torch.Tensor]) -> torch.Tensor:
             sim[:, a, b] = value
             sim[:, b, a] = value
     return sim
-
-
-def greedy_layer_groups(similar: torch.Tensor) -> list[list[int]]:
-    """PoD's Algorithm 1 for one head: merge consecutive layers bottom-up while each is similar to all of the block.
-
-    ``similar`` is a boolean ``[layers, layers]`` relation (``sim_h >= 0.5`` in the paper). Layer l
-    joins the current (last) block when it is similar to every layer already in it; otherwise it
-    starts a new block. Layers are numbered from 0 here (the paper counts from 1).
-    """
-    blocks = [[0]]
-    for layer in range(1, similar.shape[0]):
-        current = blocks[-1]
-        if all(bool(similar[layer, other]) for other in current):
-            current.append(layer)
-        else:
-            blocks.append([layer])
-    return blocks
-
-
-def group_vote(sim: torch.Tensor, kv_heads: int, threshold: float = 0.5) -> torch.Tensor:
-    """PoD's GQA rule (appendix B.2): two layers are similar for a KV head when most of its query heads say so.
-
-    ``sim`` is ``[q_heads, layers, layers]``; returns a boolean ``[kv_heads, layers, layers]``. A
-    strict majority is needed, so a tie (possible with an even group) counts as not similar.
-    """
-    q_heads, layers = sim.shape[0], sim.shape[1]
-    votes = (sim >= threshold).view(kv_heads, q_heads // kv_heads, layers, layers).sum(dim=1)
-    return votes * 2 > q_heads // kv_heads
 
 
 def similarity_report(sample: AttentionSample, threshold: float = 0.5) -> dict:

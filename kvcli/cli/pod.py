@@ -71,11 +71,13 @@ def adapt(
     groups: Annotated[str, typer.Option("--groups", help="Groups file; auto = the shipped groups for the "
                                         "model.")] = "auto",
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training sequence (one optimizer step "
-                                         "each).")] = 1024,
+                                         "each); must exceed --sinks + --recent so that distant tokens "
+                                         "are trained.")] = 2048,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (cosine schedule, the paper's "
                                       "1e-5).")] = 1e-5,
     sinks: Annotated[int, typer.Option("--sinks", help="n_s of the PoD attention trained with.")] = 16,
-    recent: Annotated[int, typer.Option("--recent", help="n_r of the PoD attention trained with.")] = 1008,
+    recent: Annotated[int, typer.Option("--recent", help="n_r of the PoD attention trained with (smaller than "
+                                        "at inference trains the sharing on more queries).")] = 1024,
     save_every: Annotated[int, typer.Option("--save-every", help="Steps between saved states.")] = 50,
     json_out: JsonOpt = False,
     *,

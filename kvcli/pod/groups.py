@@ -10,7 +10,7 @@ input of the ``pod`` method. It is plain JSON so that it can be read, diffed and
   model the groups belong to; a file for another shape is refused with one clear line.
 * ``threshold``, ``q``, ``samples``, ``tokens_per_sample``, ``seed`` and ``source`` record how the
   groups were calibrated, ``similarity`` the per-query-head ``1 - JS`` matrices they came from
-  (so :func:`kvcli.analysis.calibrate.regroup` can try another threshold without re-running the model).
+  (so :meth:`GroupsFile.regrouped` can try another threshold without re-running the model).
 * ``theoretical_kv_saving`` is the share of KV bytes saved once nearly every token is distant:
   ``(L * H - sum_h blocks_h) / (2 * L * H)``: per distant token each KV head keeps values in all L
   layers but keys only in its ``blocks_h`` leads.
@@ -18,6 +18,7 @@ input of the ``pod`` method. It is plain JSON so that it can be read, diffed and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -125,6 +126,15 @@ class GroupsFile:
         groups = [[[layer] for layer in range(shape.layers)] for _ in range(shape.kv_heads)]
         return cls(model, shape, groups, threshold=1.0, q=0, notes={"kind": "separate"})
 
+    def regrouped(self, threshold: float) -> GroupsFile:
+        """The same calibration grouped at another threshold, from the stored similarity (no model needed)."""
+        if self.similarity is None:
+            raise UsageError(f"the groups of {self.model} store no similarity matrices: calibrate again to regroup "
+                             "them at another threshold")
+        check_threshold(threshold)
+        blocks = groups_from_similarity(torch.tensor(self.similarity), self.shape.kv_heads, threshold)
+        return dataclasses.replace(self, groups=blocks, threshold=threshold)
+
     # --- JSON ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         out = {"format": FORMAT, "model": self.model, **asdict(self.shape), "threshold": self.threshold,
@@ -170,6 +180,39 @@ class GroupsFile:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UsageError(f"cannot read PoD groups file {path}: {exc}") from None
         return cls.from_dict(data, where=str(path))
+
+
+def greedy_layer_groups(similar: torch.Tensor) -> list[list[int]]:
+    """PoD's Algorithm 1 for one head: merge consecutive layers bottom-up while each is similar to all of the block.
+
+    ``similar`` is a boolean ``[layers, layers]`` relation (``sim_h >= 0.5`` in the paper). Layer l
+    joins the current (last) block when it is similar to every layer already in it; otherwise it
+    starts a new block. Layers are numbered from 0 here (the paper counts from 1).
+    """
+    blocks = [[0]]
+    for layer in range(1, similar.shape[0]):
+        current = blocks[-1]
+        if all(bool(similar[layer, other]) for other in current):
+            current.append(layer)
+        else:
+            blocks.append([layer])
+    return blocks
+
+
+def group_vote(sim: torch.Tensor, kv_heads: int, threshold: float = 0.5) -> torch.Tensor:
+    """PoD's GQA rule (appendix B.2): two layers are similar for a KV head when most of its query heads say so.
+
+    ``sim`` is ``[q_heads, layers, layers]``; returns a boolean ``[kv_heads, layers, layers]``. A
+    strict majority is needed, so a tie (possible with an even group) counts as not similar.
+    """
+    q_heads, layers = sim.shape[0], sim.shape[1]
+    votes = (sim >= threshold).view(kv_heads, q_heads // kv_heads, layers, layers).sum(dim=1)
+    return votes * 2 > q_heads // kv_heads
+
+
+def groups_from_similarity(sim: torch.Tensor, kv_heads: int, threshold: float) -> list[list[list[int]]]:
+    """Majority vote per KV head (appendix B.2), then Algorithm 1's greedy grouping for each KV head."""
+    return [greedy_layer_groups(vote) for vote in group_vote(sim, kv_heads, threshold)]
 
 
 def check_threshold(threshold: float) -> None:
