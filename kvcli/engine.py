@@ -85,6 +85,16 @@ def check_budget(method: Method, budget: int | None) -> int | None:
     return budget
 
 
+#: Tokens per forward pass when the user does not choose: a CPU is near its matmul rate at 256
+#: tokens, while a GPU needs larger blocks to fill its cores (both measured in docs/benchmarks.md).
+DEFAULT_BLOCK = {"cpu": 256, "cuda": 1024}
+
+
+def default_block(device: torch.device | str) -> int:
+    """The block size kvcli uses on ``device`` unless told otherwise (``--block auto``)."""
+    return DEFAULT_BLOCK.get(torch.device(device).type, DEFAULT_BLOCK["cpu"])
+
+
 def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype: torch.dtype) -> int:
     """The budget (tokens per layer) that gives ``method`` a cache of at most ``nbytes`` bytes on ``model``.
 
@@ -105,8 +115,11 @@ class Engine:
     unevenly); it is ignored by an unbounded method (``full``).
     """
 
-    def __init__(self, model: torch.nn.Module, method: Method, budget: int | None, block: int = 256,
+    def __init__(self, model: torch.nn.Module, method: Method, budget: int | None, block: int | None = None,
                  warn: Callable[[str], None] | None = None):
+        self.device = next(model.parameters()).device
+        if block is None:
+            block = default_block(self.device)
         if block < 1:
             raise UsageError(f"a block must hold at least 1 token, not {block}")
         self.model = model
@@ -118,7 +131,6 @@ class Engine:
         self.budgets = method.layer_budgets(self.budget, self.num_layers) if self.budget else None
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
         self._warned_context = False
-        self.device = next(model.parameters()).device
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
 

@@ -114,3 +114,17 @@ def test_both_module_entry_points_list_every_command(module):
     names = [command.name or command.callback.__name__ for command in app.registered_commands]
     assert len(names) == 10  # ppl, summarize, ask, needle, bench, analyze, methods, presets, calibrate, adapt
     assert all(f" {name} " in proc.stdout for name in names)
+
+
+def test_block_auto_is_the_devices_default_and_bad_blocks_are_refused(invoke, tiny_model_dir, book):
+    from kvcli.engine import default_block
+
+    assert default_block("cpu") == 256 and default_block("cuda") > default_block("cpu")
+    common = ["ppl", str(book), "--model", str(tiny_model_dir), "--cache", "64", "--max-tokens", "40", "--quiet"]
+    for extra in ([], ["--block", "auto"]):
+        result = invoke(*common, *extra, "--json")
+        assert result.exit_code == 0, result.stderr
+        assert json.loads(result.stdout)["block"] == default_block("cpu")
+    for bad in ("0", "big"):
+        result = invoke(*common, "--block", bad)
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "--block" in result.stderr

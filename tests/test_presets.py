@@ -34,7 +34,7 @@ def test_builtin_presets_are_found_and_valid():
         assert found[name].kind == "model" and found[name].source == "built-in"
         assert isinstance(found[name].settings["model"], str) and found[name].settings["stop"]
     for name in METHOD_PRESETS:
-        assert found[name].kind == "method" and {"method", "cache", "block"} <= set(found[name].settings)
+        assert found[name].kind == "method" and {"method", "cache"} <= set(found[name].settings)
     assert found["llama-3.2-1b-instruct"].settings["model"] == "meta-llama/Llama-3.2-1B-Instruct"
     paper = found["pyramidkv-paper"].settings
     assert paper["method"] == "pyramidkv" and paper["options"]["beta"] == 20 and paper["options"]["window"] == 8

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from kvcli.cli.options import BlockOpt, Setup, build_method, split_list, with_setup
+from kvcli.cli.options import BlockOpt, Setup, build_method, parse_block, resolve_block, split_list, with_setup
 from kvcli.errors import KvcliError, UsageError
 
 
@@ -28,7 +28,7 @@ def analyze(
                                          "mapped.")] = "streamingllm,h2o,snapkv,tova,treekv,pyramidkv,pyramidinfer",
     cache: Annotated[int, typer.Option("--cache", "-c", help="KV budget in tokens per layer for the kept-positions "
                                        "map.")] = 256,
-    block: BlockOpt = 256,
+    block: BlockOpt = "auto",
     queries: Annotated[int, typer.Option("--queries", help="Sampled queries: the last N of the prompt, whose "
                                          "attention distributions are recorded.")] = 64,
     levels: Annotated[int, typer.Option("--levels", help="Haar wavelet levels (TreeKV uses 5).")] = 5,
@@ -50,13 +50,15 @@ def analyze(
     from kvcli.plots import have_matplotlib
     from kvcli.report import dumps, print_result
 
-    if max_tokens < 2 or block < 1 or queries < 1 or bins < 1 or levels < 1:
-        raise UsageError("--max-tokens must be at least 2, and --block, --queries, --bins and --levels at least 1")
+    if max_tokens < 2 or queries < 1 or bins < 1 or levels < 1:
+        raise UsageError("--max-tokens must be at least 2, and --queries, --bins and --levels at least 1")
+    block_size = parse_block(block)
     if not 0.0 <= threshold <= 1.0:
         raise UsageError(f"--threshold must be between 0 and 1, not {threshold}")
     method_objs = {name: build_method(name, None, cache) for name in split_list(methods, str, "--methods")}
     documents = setup.documents(source)
     loaded = setup.load()
+    block_size = resolve_block(block_size, loaded)
     trained = loaded.trained_context
     if trained and max_tokens > trained:
         raise UsageError(f"--max-tokens {max_tokens} is longer than the model's trained context ({trained}): the "
@@ -72,7 +74,7 @@ def analyze(
         setup.note(f"analyze: {message}")
 
     started = time.perf_counter()
-    result = run_analysis(loaded.model, ids, method_objs, budget=cache, block=block, queries=queries,
+    result = run_analysis(loaded.model, ids, method_objs, budget=cache, block=block_size, queries=queries,
                           levels=levels, bins=bins, threshold=threshold, on_step=step)
     result = {"model": loaded.name, "source": source, "device": str(loaded.device),
               "dtype": str(loaded.dtype).removeprefix("torch."), **result,

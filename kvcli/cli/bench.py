@@ -19,6 +19,8 @@ from kvcli.cli.options import (
     check_at_least,
     check_cache,
     method_options,
+    parse_block,
+    resolve_block,
     split_list,
     with_setup,
 )
@@ -36,7 +38,7 @@ def bench(
                                             "if it is shorter).")] = 8192,
     out: Annotated[Path, typer.Option("--out", help="Folder for results.json and the plots; a rerun into the "
                                       "same folder skips the runs it already has.")] = Path("bench"),
-    block: BlockOpt = 256,
+    block: BlockOpt = "auto",
     option: MethodsOptionOpt = None,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw ppl_vs_cache.png and nll_vs_position.png "
                                        "(needs matplotlib).")] = True,
@@ -56,12 +58,14 @@ def bench(
     budgets = split_list(cache, int, "--cache")
     for budget in budgets:
         check_cache(budget)
-    check_at_least(1, block=block, max_tokens=max_tokens)
+    check_at_least(1, max_tokens=max_tokens)
+    block_size = parse_block(block)
     specs = plan_grid(method_list, budgets, method_options(list(dict.fromkeys(method_list)), option))
     check_out_dir(out)
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
     stream = read_token_stream(documents, loaded.tokenizer, source, max_tokens)
+    block_size = resolve_block(block_size, loaded)
     progress = StreamProgress(stream.tokens + 1, loaded.device, enabled=not setup.quiet)
 
     def on_start(spec, index: int, total: int) -> None:
@@ -81,7 +85,7 @@ def bench(
         setup.note(f"skipping {len(runs)} finished run{'s' * (len(runs) != 1)} already in {out}")
 
     with progress.running():
-        grid = run_grid(loaded, stream, specs, block=block, out_dir=out, on_block=on_block, warn=setup.say,
+        grid = run_grid(loaded, stream, specs, block=block_size, out_dir=out, on_block=on_block, warn=setup.say,
                         on_skip=on_skip, on_start=on_start, on_run=on_run)
     if json_out:
         print_result(dumps(bench_json(grid, out, _plots(grid, out, plot, setup))))

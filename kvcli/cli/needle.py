@@ -14,6 +14,8 @@ from kvcli.cli.options import (
     check_at_least,
     check_cache,
     method_options,
+    parse_block,
+    resolve_block,
     split_list,
     with_setup,
 )
@@ -41,7 +43,7 @@ def needle(
     trials: Annotated[int, typer.Option("--trials", help="Haystacks per length and depth (each with its own "
                                         "excerpt and key).")] = 1,
     cache: CacheOpt = 1024,
-    block: BlockOpt = 256,
+    block: BlockOpt = "auto",
     option: MethodsOptionOpt = None,
     seed: SeedOpt = 0,
     max_new_tokens: MaxNewOpt = 12,
@@ -64,12 +66,14 @@ def needle(
             raise UsageError(f"unknown method {name!r}; choose from: {', '.join(sorted(METHODS))}")
     length_list = split_list(lengths, _length, "--lengths")
     depth_list = split_list(depths, _depth, "--depths")
-    check_at_least(1, trials=trials, block=block, max_new_tokens=max_new_tokens)
+    check_at_least(1, trials=trials, max_new_tokens=max_new_tokens)
+    block_size = parse_block(block)
     check_cache(cache)
     per_method = method_options(method_list, option)
     documents = setup.documents(source)
     loaded = setup.load()
     tokens = book_tokens(documents, loaded.tokenizer, max(length_list) * trials)
+    block_size = resolve_block(block_size, loaded)
 
     def on_trial(trial, done, total) -> None:
         mark = "ok" if trial.correct else "miss"
@@ -77,7 +81,7 @@ def needle(
                    f"{trial.answer!r} ({mark}, key {trial.key}, {trial.seconds:.1f} s)")
 
     result = run_grid(loaded.model, loaded.tokenizer, tokens, method_list, lengths=length_list, depths=depth_list,
-                      trials=trials, budget=cache, block=block, seed=seed, max_new_tokens=max_new_tokens,
+                      trials=trials, budget=cache, block=block_size, seed=seed, max_new_tokens=max_new_tokens,
                       one_shot=one_shot, probe=probe, options=per_method, warn=setup.say, on_trial=on_trial)
     if json_out:
         print_result(dumps({"model": loaded.name, **result.as_dict()}))

@@ -40,8 +40,8 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or wa
 MethodOpt = Annotated[str, typer.Option("--method", help="Compression method (see `kvcli methods`).")]
 CacheOpt = Annotated[int, typer.Option("--cache", "-c", help="KV budget in tokens per layer (average over "
                                        "layers for methods that vary it). Ignored by `full`.")]
-BlockOpt = Annotated[int, typer.Option("--block", "-b", help="Tokens per forward pass; the cache is compressed "
-                                       "after every block.")]
+BlockOpt = Annotated[str, typer.Option("--block", "-b", help="Tokens per forward pass; the cache is compressed "
+                                       "after every block. auto: 256 on a CPU, 1024 on a GPU.")]
 OptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", help="Method parameter KEY=VALUE "
                                                      "(repeatable), e.g. -o sinks=8.")]
 MethodsOptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", help="Method parameter KEY=VALUE for "
@@ -91,7 +91,7 @@ class Setup:
         return load_model(self.model, device=self.device, dtype=self.dtype, device_map=self.device_map,
                           load_in_4bit=self.load_in_4bit, load_in_8bit=self.load_in_8bit)
 
-    def build_engine(self, loaded, method, budget: int | None, block: int):
+    def build_engine(self, loaded, method, budget: int | None, block: int | None):
         """An engine for ``loaded`` whose warnings follow ``--quiet``."""
         from kvcli.engine import Engine
 
@@ -161,6 +161,25 @@ def split_list(text: str, convert: Callable[[str], Any], what: str) -> list:
         return [convert(item) for item in items]
     except ValueError:
         raise UsageError(f"{what}: cannot read {text!r} as a comma-separated list") from None
+
+
+def parse_block(text: str | int) -> int | None:
+    """``--block``: a positive number of tokens, or ``auto`` (None: the engine picks per device)."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        block = int(text)
+    except ValueError:
+        raise UsageError(f"--block must be a number of tokens or auto, not {text!r}") from None
+    check_at_least(1, block=block)
+    return block
+
+
+def resolve_block(block: int | None, loaded) -> int:
+    """A parsed ``--block`` for the loaded model: ``auto`` (None) becomes the engine's default for its device."""
+    from kvcli.engine import default_block
+
+    return block if block is not None else default_block(loaded.device)
 
 
 def check_cache(cache: int) -> None:

@@ -17,6 +17,7 @@ from kvcli.cli.options import (
     Setup,
     build_method,
     check_at_least,
+    parse_block,
     parse_bytes,
     parse_options,
     with_setup,
@@ -42,7 +43,7 @@ def ppl(
     source: Annotated[str, typer.Argument(help="A text file, a folder of .txt files, - for stdin, or pg19.")],
     method: MethodOpt = "streamingllm",
     cache: CacheOpt = 1024,
-    block: BlockOpt = 256,
+    block: BlockOpt = "auto",
     option: OptionOpt = None,
     cache_bytes: Annotated[str | None, typer.Option("--cache-bytes", help="KV budget in bytes (e.g. 45MiB), "
                                                     "turned into tokens per layer for this method and model: "
@@ -69,7 +70,8 @@ def ppl(
     from kvcli.perplexity import PerplexityRun, evaluate
     from kvcli.report import StreamProgress, dumps, print_result
 
-    check_at_least(1, block=block, max_tokens=max_tokens)
+    check_at_least(1, max_tokens=max_tokens)
+    block_size = parse_block(block)
     if (context is None) != (stride is None):
         raise UsageError("--context and --stride go together")
     if context is not None and not 1 <= stride <= context:
@@ -82,7 +84,7 @@ def ppl(
     loaded = setup.load()
     if nbytes is not None:
         cache = bytes_budget(method_obj, loaded, nbytes, cache_bytes)
-    engine = setup.build_engine(loaded, method_obj, cache, block)
+    engine = setup.build_engine(loaded, method_obj, cache, block_size)
 
     progress = StreamProgress(max_tokens, loaded.device, enabled=not setup.quiet)
     jsonl_file = jsonl.open("w") if jsonl else None
@@ -102,7 +104,7 @@ def ppl(
         if jsonl_file:
             jsonl_file.close()
     protocol = "sliding" if context is not None else ("stream" if stream else "documents")
-    result = PerplexityRun(loaded, method, method_obj.settings(), engine.budget, block, protocol, totals, rows,
+    result = PerplexityRun(loaded, method, method_obj.settings(), engine.budget, engine.block, protocol, totals, rows,
                            peak).as_dict()
     print_result(dumps(result) if json_out else ppl_summary(result))
     if totals.interrupted:

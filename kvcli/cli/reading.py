@@ -23,6 +23,7 @@ from kvcli.cli.options import (
     explicit,
     keyword,
     options_bundle,
+    parse_block,
     parse_options,
     with_setup,
 )
@@ -56,7 +57,7 @@ class ReadOptions:
 
     method: str
     cache: int
-    block: int
+    block: str | int
     options: dict
     max_new_tokens: int
     answer_prefix: str
@@ -78,7 +79,7 @@ def with_reading(max_new_tokens: int):
                            seed, json_out, preset or [], one_shot, probe, stop or [])
 
     return options_bundle("read", build, [
-        keyword("method", MethodOpt, "treekv"), keyword("cache", CacheOpt, 1024), keyword("block", BlockOpt, 256),
+        keyword("method", MethodOpt, "treekv"), keyword("cache", CacheOpt, 1024), keyword("block", BlockOpt, "auto"),
         keyword("option", OptionOpt, None), keyword("max_new_tokens", MaxNewOpt, max_new_tokens),
         keyword("answer_prefix", AnswerPrefixOpt, ""), keyword("temperature", TemperatureOpt, 0.0),
         keyword("seed", SeedOpt, 0), keyword("json_out", JsonOpt, False), keyword("preset", PresetOpt, None),
@@ -120,14 +121,15 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     )
 
     setup, read = apply_presets(ctx, read.presets, setup, read)
-    check_at_least(1, block=read.block, max_new_tokens=read.max_new_tokens)
+    check_at_least(1, max_new_tokens=read.max_new_tokens)
+    block_size = parse_block(read.block)
     if read.temperature < 0:
         raise UsageError(f"--temperature must not be negative, not {read.temperature}")
     method_obj = build_method(read.method, read.options, read.cache)
     documents = setup.documents(source)
     loaded = setup.load()
     tokenizer = loaded.tokenizer
-    engine = setup.build_engine(loaded, method_obj, read.cache, read.block)
+    engine = setup.build_engine(loaded, method_obj, read.cache, block_size)
     parts = build_prompt(tokenizer, instruction)
     reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
                     temperature=read.temperature, seed=read.seed)
@@ -164,13 +166,13 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
             "method": read.method,
             "params": method_obj.settings(),
             "cache": engine.budget,
-            "block": read.block,
+            "block": engine.block,
             "one_shot": gen.one_shot,
             "chat_template": parts.chat,
             "finish_reason": gen.finish_reason,
         }))
     if not setup.quiet:
-        stderr_console.print(reading_summary(gen, loaded, read.method, engine.budget, read.block, peak),
+        stderr_console.print(reading_summary(gen, loaded, read.method, engine.budget, engine.block, peak),
                              markup=False, highlight=False)
     if gen.finish_reason == "interrupted":
         raise typer.Exit(130)

@@ -1,0 +1,55 @@
+"""Engine overhead per block, counted in aten operations and host reads against a plain forward (issue #13).
+
+Counts, not timings: they do not depend on the machine, and on a GPU the operations a block issues
+(and the host reads that stall it) are what make the engine slower than a plain forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.bench.ops import count_ops, plain_block_ops
+from kvcli.engine import Engine
+from kvcli.methods import make_method
+from kvcli.models import tiny_llama
+
+BUDGET, BLOCK = 64, 32
+
+#: Engine operations per block (forward and compression) relative to a plain forward of the same block.
+#: Measured values are in docs/benchmarks.md; the bounds leave a little room above them.
+BOUNDS = {"streamingllm": 1.7, "snapkv": 2.0, "pyramidkv": 2.0, "treekv": 2.85}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_engine_operations_per_block_stay_near_a_plain_forward(name):
+    model = tiny_llama(num_layers=4, hidden=64, heads=4, kv_heads=2, seed=0)
+    ids = torch.randint(0, 128, (BUDGET + 4 * BLOCK,), generator=torch.Generator().manual_seed(0))
+    engine = Engine(model, make_method(name), BUDGET, block=BLOCK)
+    cache = engine.new_cache()
+    for start in range(0, BUDGET + 2 * BLOCK, BLOCK):  # past the budget: every further block compresses
+        engine.forward(cache, ids[None, start:start + BLOCK])
+    start = BUDGET + 2 * BLOCK
+    counted = count_ops(lambda: engine.forward(cache, ids[None, start:start + BLOCK]))
+    plain = plain_block_ops(model, ids[: BUDGET + BLOCK], BUDGET)
+    assert counted.total <= BOUNDS[name] * plain.total, (counted.total, plain.total)
+    # No .item(), nonzero or equal in a block: on a GPU each would wait for the block's kernels.
+    # (.tolist() of a CPU tensor reads memory without an aten op, so only a CUDA run sees it.)
+    assert counted.host_reads == 0, counted.ops
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_no_host_device_sync_inside_a_block_on_cuda(name):
+    model = tiny_llama(num_layers=4, hidden=64, heads=4, kv_heads=2, seed=0).cuda()
+    ids = torch.randint(0, 128, (BUDGET + 4 * BLOCK,), generator=torch.Generator().manual_seed(0)).cuda()
+    engine = Engine(model, make_method(name), BUDGET, block=BLOCK)
+    cache = engine.new_cache()
+    for start in range(0, BUDGET + 2 * BLOCK, BLOCK):
+        engine.forward(cache, ids[None, start:start + BLOCK])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.forward(cache, ids[None, BUDGET + 2 * BLOCK:BUDGET + 3 * BLOCK])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
