@@ -35,18 +35,31 @@ def block_causal_mask(queries: int, keys: int, device: torch.device) -> torch.Te
     return cols <= rows + offset
 
 
+#: Largest number of fp32 attention scores :func:`window_attention` materialises at once (256 MiB): a
+#: long observation window (H2O's is the whole prompt) is summed in chunks of queries below it.
+WINDOW_CHUNK_SCORES = 1 << 26
+
+
 def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
-    """Softmax attention of the last ``window`` queries, summed over them: ``[H_kv, group, keys]`` in fp32."""
+    """Softmax attention of the last ``window`` queries, summed over them: ``[H_kv, group, keys]`` in fp32.
+
+    Summed chunk by chunk of queries, so memory stays bounded when the window is a whole long prompt.
+    """
     _, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     window = min(window, q_len)
-    tail = query[0, :, q_len - window:, :].reshape(kv_heads, group * window, dim)
-    logits = torch.matmul(tail, key[0].transpose(1, 2)).float().mul_(scaling)
-    logits = logits.view(kv_heads, group, window, k_len)
-    visible = block_causal_mask(q_len, k_len, query.device)[q_len - window:]
-    logits.masked_fill_(~visible, float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=2)
+    chunk = max(1, WINDOW_CHUNK_SCORES // (q_heads * k_len))
+    keys_t = key[0].transpose(1, 2)
+    total = torch.zeros(kv_heads, group, k_len, dtype=torch.float32, device=query.device)
+    for first in range(q_len - window, q_len, chunk):
+        last = min(first + chunk, q_len)
+        rows = query[0, :, first:last, :].reshape(kv_heads, group * (last - first), dim)
+        logits = torch.matmul(rows, keys_t).float().mul_(scaling).view(kv_heads, group, last - first, k_len)
+        rows_at = torch.arange(first, last, device=query.device)[:, None] + (k_len - q_len)
+        logits.masked_fill_(torch.arange(k_len, device=query.device)[None, :] > rows_at, float("-inf"))
+        total += torch.softmax(logits, dim=-1).sum(dim=2)
+    return total
 
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,

@@ -53,3 +53,37 @@ def test_no_host_device_sync_inside_a_block_on_cuda(name):
         engine.forward(cache, ids[None, BUDGET + 2 * BLOCK:BUDGET + 3 * BLOCK])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_window_attention_in_chunks_equals_one_softmax(monkeypatch):
+    from kvcli import attention
+
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 4, 40, 8, generator=generator)
+    key = torch.randn(1, 2, 56, 8, generator=generator)
+    whole = attention.window_attention(query, key, 0.35, 40)
+    logits = torch.einsum("hgqd,hkd->hgqk", query[0].view(2, 2, 40, 8), key[0]) * 0.35
+    logits.masked_fill_(~attention.block_causal_mask(40, 56, query.device), float("-inf"))
+    assert torch.allclose(whole, torch.softmax(logits, dim=-1).sum(dim=2), atol=1e-5)
+    monkeypatch.setattr(attention, "WINDOW_CHUNK_SCORES", 4 * 56 * 3)  # three queries per chunk
+    assert torch.allclose(attention.window_attention(query, key, 0.35, 40), whole, atol=1e-5)
+    assert torch.allclose(attention.window_attention(query, key, 0.35, 7), torch.softmax(logits, -1)[:, :, -7:].sum(2),
+                          atol=1e-5)
+
+
+def test_h2o_one_shot_window_memory_is_bounded():
+    """H2O scores a one-shot prompt with every query: 12k queries x 12k keys x 4 heads would be 2.3 GB of fp32
+    scores at once; summed in chunks the process grows by a fraction of that."""
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, torch\n"
+        "from kvcli.attention import window_attention\n"
+        "q, k = torch.randn(1, 4, 12000, 8), torch.randn(1, 2, 12000, 8)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "window_attention(q, k, 0.35, 12000)\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
+    )
+    grown = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert grown < 1.2 * 2**30
