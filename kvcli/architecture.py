@@ -118,3 +118,36 @@ def describe(model: torch.nn.Module) -> Architecture:
         layers.append(LayerFacts(inv_freq.detach().to(torch.float32).clone(), _layer_window(config, layer_type),
                                  layer_type or "full_attention", rope_type, None if theta is None else float(theta)))
     return Architecture(model_type, layers, int(head_dim), limit)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family kvcli streams, with the facts about it that kvcli reads and honours."""
+
+    model_type: str
+    models: str
+    rope: str
+    windows: str
+    attention: str = ""
+
+
+#: The families the architecture matrix (tests/test_families.py) checks against the model's own eager
+#: attention. Another RoPE model whose rotary module follows transformers' conventions also works
+#: (describe() reads it the same way); one without RoPE is refused.
+FAMILIES = [
+    Family("llama", "Llama 2, Llama 3.x, SmolLM2", "one base; llama3/linear/YaRN scaling; dynamic NTK exact below "
+           "its switch, refused past it", "none"),
+    Family("qwen2", "Qwen 2, Qwen 2.5", "one base", "sliding layers only with use_sliding_window (off in the "
+           "released models)"),
+    Family("qwen3", "Qwen 3", "one base", "as Qwen 2", "q/k norms"),
+    Family("mistral", "Mistral 7B", "one base", "config.sliding_window on every layer when set (v0.1: 4096; "
+           "v0.2+: none)"),
+    Family("gemma2", "Gemma 2", "one base", "alternating sliding and full layers",
+           "logit soft-capping; query_pre_attn_scalar"),
+    Family("gemma3_text", "Gemma 3 (text), e.g. gemma3-270m", "per layer type: local base on sliding layers, "
+           "global base on full layers", "5 sliding layers per full one", "query_pre_attn_scalar; q/k norms"),
+    Family("phi3", "Phi-3, Phi-3.5, Phi-4-mini", "partial rotary (partial_rotary_factor); LongRoPE exact below "
+           "its switch, refused past it", "config.sliding_window on every layer when set"),
+    Family("olmo2", "OLMo 2", "one base", "none", "q/k norms"),
+    Family("gpt_oss", "GPT-OSS", "YaRN", "alternating sliding and full layers", "learned attention sinks"),
+]
