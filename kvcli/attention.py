@@ -6,6 +6,14 @@ the attention that the last few queries pay to every cached key, which is what S
 TOVA, TreeKV and PyramidInfer score tokens with. On the CPU a block against the cache goes through
 :func:`explicit_attention` (bf16 matmuls, probabilities for free); a long prefill and
 every GPU call go through :func:`sdpa_attention`, which materialises only the observation window.
+
+It honours what families add to plain attention, as their eager attention does: a sliding window
+(``sliding_window``: a query sees itself and the ``window - 1`` keys before it; Gemma 2/3, GPT-OSS,
+Mistral), logit soft-capping (``softcap``: ``tanh(logits / cap) * cap`` before the softmax; Gemma 2),
+learned sinks (``s_aux``: one extra logit per query head in the softmax's denominator, attending to
+nothing; GPT-OSS) and the family's own scaling (``scaling``, e.g. Gemma's ``query_pre_attn_scalar``).
+Query and key norms (Qwen3, OLMo 2, Gemma 3) are applied by the model before attention is called.
+Soft-capping and sinks take the explicit path on every device, since SDPA has neither.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kvcli.cache import AttentionRecord, KVCache
+from kvcli.errors import UnsupportedModelError
 
 ATTENTION_NAME = "kvcli"
 
@@ -27,12 +36,24 @@ CAUSAL_KERNEL_FROM = 1024
 
 
 @lru_cache(maxsize=16)
-def block_causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:
-    """``[queries, keys]`` boolean mask: query i sees every cached key and the new keys up to itself."""
+def block_causal_mask(queries: int, keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """``[queries, keys]`` boolean mask: query i sees every cached key and the new keys up to itself;
+    with a ``window``, only the keys less than ``window`` positions before it (the cached keys of a
+    window layer are the consecutive tokens right before the block, so indices measure positions)."""
     offset = keys - queries
     rows = torch.arange(queries, device=device)[:, None]
     cols = torch.arange(keys, device=device)[None, :]
-    return cols <= rows + offset
+    visible = cols <= rows + offset
+    if window is not None:
+        visible &= cols > rows + offset - window
+    return visible
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, ``tanh(logits / cap) * cap`` (in place where it can be)."""
+    if cap is None:
+        return logits
+    return logits.div_(cap).tanh_().mul_(cap)
 
 
 #: Largest number of fp32 attention scores :func:`window_attention` materialises at once (256 MiB): a
@@ -63,23 +84,31 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, win
 
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                       window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       window: int, *, sliding_window: int | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention as two batched matmuls around a softmax, returning the window's probabilities too.
 
     On CPUs with AMX the matmuls run at the bf16 rate while the fused SDPA kernel does not (timings
     in docs/benchmarks.md), and the probabilities the methods score with come for free. Query heads
-    are grouped under their KV head (GQA) instead of repeating keys and values.
+    are grouped under their KV head (GQA) instead of repeating keys and values. ``sinks`` ``[H_q]``
+    are learned logits that join each query's softmax and are dropped after it.
     """
     _, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     grouped = (query[0] * scaling).reshape(kv_heads, group * q_len, dim)
-    logits = torch.matmul(grouped, key[0].transpose(1, 2)).view(kv_heads, group, q_len, k_len)
-    if q_len > 1:  # only the new keys need the causal mask: every cached key is visible to every query
+    logits = soft_cap(torch.matmul(grouped, key[0].transpose(1, 2)), softcap).view(kv_heads, group, q_len, k_len)
+    if sliding_window is not None and k_len > 1:
+        logits.masked_fill_(~block_causal_mask(q_len, k_len, query.device, sliding_window), float("-inf"))
+    elif q_len > 1:  # only the new keys need the causal mask: every cached key is visible to every query
         offset = k_len - q_len
         new_part = logits[..., offset:]
         new_part.masked_fill_(~block_causal_mask(q_len, q_len, query.device), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        sink = sinks.to(logits.dtype).view(kv_heads, group, 1, 1).expand(kv_heads, group, q_len, 1)
+        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :k_len].contiguous()
     output = torch.matmul(probs.view(kv_heads, group * q_len, k_len), value[0])
     output = output.view(1, q_heads, q_len, value.shape[-1])
     tail = None
@@ -89,17 +118,18 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                   scaling: float, window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   scaling: float, window: int, sliding_window: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``scaled_dot_product_attention`` for the output, the window's probabilities computed on the side.
 
     Without a mask, a prefill into an empty cache (as many keys as queries) takes SDPA's causal
-    kernel, which never materialises the ``n x n`` probabilities; a block against a cache gets the
-    block-causal mask.
+    kernel, which never materialises the ``n x n`` probabilities; a block against a cache, or any
+    block of a window layer, gets the block-causal (windowed) mask.
     """
     q_len, k_len = query.shape[2], key.shape[2]
     mask = attention_mask
-    if mask is None and q_len > 1 and q_len != k_len:
-        mask = block_causal_mask(q_len, k_len, query.device)
+    if mask is None and (sliding_window is not None or (q_len > 1 and q_len != k_len)):
+        mask = block_causal_mask(q_len, k_len, query.device, sliding_window)
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
@@ -109,17 +139,25 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, window: int,
-                    attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    attention_mask: torch.Tensor | None = None, *, sliding_window: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of every query to every key it can see, on the path that is fastest where it runs.
 
     On the CPU without a mask a block against the cache takes :func:`explicit_attention`; a long
-    prefill into an empty cache and every GPU call take :func:`sdpa_attention`.
+    prefill into an empty cache and every GPU call take :func:`sdpa_attention`, unless the layer
+    soft-caps its logits or has sinks, which only the explicit path computes.
     """
     q_len, k_len = query.shape[2], key.shape[2]
+    if softcap is not None or sinks is not None:
+        if attention_mask is not None:
+            raise ValueError("kvcli builds its own masks; soft-capping and sinks take no external mask")
+        return explicit_attention(query, key, value, scaling, window, sliding_window=sliding_window,
+                                  softcap=softcap, sinks=sinks)
     long_prefill = attention_mask is None and q_len == k_len and q_len >= CAUSAL_KERNEL_FROM
     if query.device.type == "cpu" and attention_mask is None and not long_prefill:
-        return explicit_attention(query, key, value, scaling, window)
-    return sdpa_attention(query, key, value, attention_mask, scaling, window)
+        return explicit_attention(query, key, value, scaling, window, sliding_window=sliding_window)
+    return sdpa_attention(query, key, value, attention_mask, scaling, window, sliding_window)
 
 
 def kvcli_attention(
@@ -136,14 +174,22 @@ def kvcli_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     cache: KVCache | None = kwargs.get("kvcli_cache")
-    window = cache.score_window if cache is not None else 0
-    own = cache.layers[module.layer_idx].attend(query, key, value, scaling, window) if cache is not None else None
+    sliding_window = kwargs.get("sliding_window")
+    layer = cache.layers[module.layer_idx] if cache is not None else None
+    if layer is not None and layer.window != sliding_window:
+        # The cache kept what kvcli.architecture read; the model asks for another window.
+        raise UnsupportedModelError(
+            f"layer {module.layer_idx} of this model attends within a window of {sliding_window} tokens, but kvcli "
+            f"read {layer.window} from its configuration: this architecture is not supported")
+    window = cache.score_window if layer is not None and layer.window is None else 0  # window layers need no scores
+    own = layer.attend(query, key, value, scaling, window) if layer is not None else None
     if own is not None:
         output, probs = own
     else:
-        output, probs = dense_attention(query, key, value, scaling, window, attention_mask)
+        output, probs = dense_attention(query, key, value, scaling, window, attention_mask,
+                                        sliding_window=sliding_window, softcap=kwargs.get("softcap"),
+                                        sinks=kwargs.get("s_aux"))
     if probs is not None:
-        layer = cache.layers[module.layer_idx]
         window = min(window, q_len)
         if layer.record is None:
             layer.record = AttentionRecord(probs, window)

@@ -14,16 +14,25 @@ Why it looks like this:
 * Keys are stored as they were rotated when they entered (RoPE at their entry position) and are
   rotated by the difference to their current position each time they are read. Rotating the
   stored copy in place after every eviction would round a long-lived key once per move in bf16;
-  rotating from the entry copy rounds it once, however long it lives.
+  rotating from the entry copy rounds it once, however long it lives. Each layer rotates with its
+  own frequencies (Gemma 3's local and global bases differ), read by :mod:`kvcli.architecture`.
+* A layer the model restricts to a window of W positions (Gemma 3's and GPT-OSS's sliding layers,
+  Mistral's window) is a :class:`WindowLayer`: it keeps exactly the W - 1 tokens before the next one
+  (a query sees itself and the W - 1 before it), whatever the method, and the budget never
+  applies to it. Its tokens are consecutive in the stream, so compacting their positions keeps every
+  distance the model's window mask measures.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvcli.architecture import describe
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +73,8 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    #: The model's attention window of this layer (None: it sees every cached token).
+    window: int | None = None
 
     def __init__(self, owner: KVCache, layer_idx: int):
         super().__init__()
@@ -138,7 +149,12 @@ class CompressedLayer(CacheLayerMixin):
         if length == 0 or self.owner.keep_positions or (not self.moved and block_start == length):
             return self.keys  # every key still sits where it entered
         delta = self.current_positions(block_start)[None, :] - self.entry_pos
-        return rotate_keys(self.keys, delta, self.owner.inv_freq)
+        return rotate_keys(self.keys, delta, self.inv_freq)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The RoPE frequencies this layer's keys were rotated with."""
+        return self.owner.inv_freqs[self.layer_idx]
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -166,16 +182,43 @@ class CompressedLayer(CacheLayerMixin):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
+class WindowLayer(CompressedLayer):
+    """A layer the model restricts to its last ``window`` positions: it keeps the ``window - 1`` tokens
+    the next query can see and nothing else, so no method ever has to choose among them."""
+
+    is_sliding = True
+
+    def __init__(self, owner: KVCache, layer_idx: int, window: int):
+        super().__init__(owner, layer_idx)
+        self.window = window
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if not self.owner.probing:  # attention still sees the whole block; the cache keeps only the window
+            length = self.get_seq_length()
+            extra = length - (self.window - 1)
+            if extra > 0:
+                heads = self.values.shape[1]
+                self.keep(torch.arange(extra, length, device=self.device).expand(heads, length - extra))
+        return keys, values
+
+
 class KVCache(Cache):
     """The cache the engine hands to the model: one :class:`CompressedLayer` per decoder layer.
 
     ``block_start`` is the position the next forward's first token gets; ``stream_start`` is that
-    token's index in the whole stream. The engine sets both before each forward.
+    token's index in the whole stream. The engine sets both before each forward. ``inv_freq`` is one
+    tensor of RoPE frequencies for every layer or one per layer; ``windows`` gives each layer's
+    attention window (None: full attention).
     """
 
-    def __init__(self, num_layers: int, inv_freq: torch.Tensor):
+    def __init__(self, num_layers: int, inv_freq: torch.Tensor | Sequence[torch.Tensor],
+                 windows: Sequence[int | None] | None = None):
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        if len(self.windows) != num_layers:
+            raise ValueError(f"{len(self.windows)} windows for {num_layers} layers")
         super().__init__(layers=[self.new_layer(i) for i in range(num_layers)])
-        self.inv_freq = inv_freq
+        self.inv_freqs = [inv_freq] * num_layers if isinstance(inv_freq, torch.Tensor) else list(inv_freq)
         self.block_start = 0
         self.stream_start = 0
         self.score_window = 0  # how many of a forward's last queries record their attention
@@ -184,12 +227,14 @@ class KVCache(Cache):
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:
         """The layer object of decoder layer ``layer_idx``: a subclass may store keys differently (PoD)."""
-        return CompressedLayer(self, layer_idx)
+        window = self.windows[layer_idx]
+        return CompressedLayer(self, layer_idx) if window is None else WindowLayer(self, layer_idx, window)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> KVCache:
-        rotary = model.model.rotary_emb
-        return cls(model.config.num_hidden_layers, rotary.inv_freq.detach().clone())
+        """A cache for ``model``: each layer's own RoPE frequencies and window (UnsupportedModelError without RoPE)."""
+        arch = describe(model)
+        return cls(len(arch.layers), [layer.inv_freq for layer in arch.layers], arch.windows)
 
     def next_position(self) -> int:
         """The position of the next token: every layer's cache ends right before it (or, with
@@ -200,6 +245,12 @@ class KVCache(Cache):
 
     def lengths(self) -> list[int]:
         return [layer.get_seq_length() for layer in self.layers]
+
+    def max_tokens(self) -> int:
+        """The largest layer a budget governs (every layer when all of them have a window): what
+        ``max_cache_tokens`` reports, since a window layer holds its window whatever the budget."""
+        budgeted = [layer.get_seq_length() for layer in self.layers if layer.window is None]
+        return max(budgeted or self.lengths())
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcli.architecture import describe
 from kvcli.cache import KVCache, LayerView
-from kvcli.errors import UsageError
+from kvcli.errors import UnsupportedModelError, UsageError
 from kvcli.methods.base import Method
 
 
@@ -126,13 +127,26 @@ class Engine:
         self.method = method
         self.block = block
         self.budget = check_budget(method, budget)
+        self.architecture = describe(model)  # refuses a model whose positions cannot be re-assigned
         self.num_layers = model.config.num_hidden_layers
         self.trained_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-        self.budgets = method.layer_budgets(self.budget, self.num_layers) if self.budget else None
+        self.budgets = self._layer_budgets()
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
         self._warned_context = False
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
+
+    def _layer_budgets(self) -> list[int | None] | None:
+        """Each layer's budget: the method spreads it over the full-attention layers only, since a layer
+        with an attention window keeps its window whatever the method (None: that layer, or no budget)."""
+        if not self.budget:
+            return None
+        budgeted = self.architecture.budgeted
+        budgets: list[int | None] = [None] * self.num_layers
+        if budgeted:
+            for idx, value in zip(budgeted, self.method.layer_budgets(self.budget, len(budgeted)), strict=True):
+                budgets[idx] = value
+        return budgets
 
     def new_cache(self) -> KVCache:
         return self.method.new_cache(self.model)
@@ -150,12 +164,13 @@ class Engine:
         generated token (see :class:`kvcli.cache.LayerView`).
         """
         n = ids.shape[1]
-        cache.score_window = self.method.score_window(n) if compress and self.budgets else 0
+        compressing = compress and bool(self.budgets) and bool(self.architecture.budgeted)
+        cache.score_window = self.method.score_window(n) if compressing else 0
         hidden = self._run(cache, ids, store=True)
         cache.stream_start += n  # before the probe, whose queries come after the block
         if probe is not None and cache.score_window:
             self._run(cache, probe, store=False)
-        if compress and self.budgets:
+        if compressing:
             self.compress(cache, n, decoding)
         for layer in cache.layers:
             layer.record = None
@@ -165,6 +180,12 @@ class Engine:
         start = cache.next_position()
         cache.block_start = start
         end = start + ids.shape[1]
+        limit = self.architecture.rope_limit
+        if limit and end > limit:
+            raise UnsupportedModelError(
+                f"positions reach {end}, past {limit}, where this model's RoPE switches to other frequencies: "
+                "kvcli cannot re-rotate keys across that switch (use a compressing method whose budget plus "
+                f"block stays within {limit} positions)")
         if self.trained_context and end > self.trained_context and not self._warned_context:
             self._warned_context = True
             self.warn(f"positions reach {end}, past the model's trained context of {self.trained_context}: "
@@ -198,8 +219,14 @@ class Engine:
         return out
 
     def compress(self, cache: KVCache, num_new: int, decoding: bool = False) -> None:
-        for idx, layer in enumerate(cache.layers):
-            view = LayerView(idx, self.num_layers, layer, num_new, layer.record, decoding, seen=cache.stream_start,
+        """Let the method shrink every layer the budget governs; a window layer already keeps only its window.
+
+        The method sees the budgeted layers numbered among themselves, as it allotted their budgets.
+        """
+        budgeted = self.architecture.budgeted
+        for depth, idx in enumerate(budgeted):
+            layer = cache.layers[idx]
+            view = LayerView(depth, len(budgeted), layer, num_new, layer.record, decoding, seen=cache.stream_start,
                              mean_budget=self.budget)
             keep = self.method.compress(view, self.budgets[idx])
             if keep is not None:
@@ -234,7 +261,7 @@ class Engine:
                 totals.processed += ids.shape[0]
                 totals.nll_sum += float(nll)
                 elapsed = time.perf_counter() - tick
-                cache_tokens = max(cache.lengths())
+                cache_tokens = cache.max_tokens()
                 totals.max_cache_tokens = max(totals.max_cache_tokens, cache_tokens)
                 stats = BlockStats(stream_pos - 1, scored, float(nll) / scored if scored else float("nan"),
                                    cache_tokens, ids.shape[0] / elapsed if elapsed > 0 else 0.0)

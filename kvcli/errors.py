@@ -27,3 +27,7 @@ class BudgetError(UsageError):
 
     def for_flag(self, flag: str) -> str:
         return f"{flag} {self.budget} is smaller than {self.what} ({self.need}): raise {flag} or lower them"
+
+
+class UnsupportedModelError(KvcliError):
+    """A model whose architecture kvcli cannot stream with re-assigned positions (no RoPE, unknown RoPE)."""

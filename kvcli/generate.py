@@ -336,12 +336,12 @@ class Reader:
         if not ids:
             raise KvcliError("the prompt is empty")
         hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe, decoding=decoding)
-        result.max_cache_tokens = max(result.max_cache_tokens, max(cache.lengths()))
+        result.max_cache_tokens = max(result.max_cache_tokens, cache.max_tokens())
         return hidden
 
     def _progress(self, read: int, cache, started: float) -> None:
         if self.on_progress:
-            self.on_progress(read, max(cache.lengths()), time.perf_counter() - started)
+            self.on_progress(read, cache.max_tokens(), time.perf_counter() - started)
 
     # --- write ------------------------------------------------------------------------------------
     def write(self, cache, hidden: torch.Tensor, result: Generation, max_new_tokens: int,

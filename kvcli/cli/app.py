@@ -54,6 +54,7 @@ app.command()(analyze.analyze)
 app.command()(pod.calibrate)
 app.command()(pod.adapt)
 app.command()(listing.methods)
+app.command()(listing.models)
 app.command()(listing.presets)
 
 

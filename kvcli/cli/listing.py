@@ -1,4 +1,4 @@
-"""``kvcli methods`` and ``kvcli presets``: what the other commands accept."""
+"""``kvcli methods``, ``kvcli models`` and ``kvcli presets``: what the other commands accept."""
 
 from __future__ import annotations
 
@@ -28,3 +28,15 @@ def presets(json_out: Annotated[bool, typer.Option("--json", help="A JSON list o
 
     found = list_presets()
     print_result(dumps([p.as_dict() for p in found]) if json_out else presets_listing(found, user_dir()))
+
+
+def models(json_out: Annotated[bool, typer.Option("--json", help="A JSON list of {model_type, models, rope, "
+                                                  "windows, attention}.")] = False) -> None:
+    """List the model families kvcli streams, with the RoPE, window and attention facts it honours."""
+    from dataclasses import asdict
+
+    from kvcli.architecture import FAMILIES
+    from kvcli.cli.render import models_listing
+    from kvcli.report import dumps, print_result
+
+    print_result(dumps([asdict(f) for f in FAMILIES]) if json_out else models_listing(FAMILIES))

@@ -52,6 +52,20 @@ def methods_listing(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def models_listing(families: list) -> str:
+    """``kvcli models``: each supported family, its RoPE, its windows and its attention features."""
+    lines = []
+    for f in families:
+        lines.append(f"{f.model_type:<14} {f.models}")
+        lines.append(f"{'':<16}RoPE: {f.rope}")
+        lines.append(f"{'':<16}windows: {f.windows}")
+        if f.attention:
+            lines.append(f"{'':<16}attention: {f.attention}")
+    lines.append("Other models with rotary position embeddings in transformers' layout are read the same way; "
+                 "models without RoPE (GPT-2, state-space models) are refused.")
+    return "\n".join(lines)
+
+
 def presets_listing(found: list, user_dir: Path) -> str:
     """``kvcli presets``: presets by kind with their settings and files."""
     lines = []

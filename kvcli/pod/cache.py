@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import torch
 
+from kvcli.architecture import describe
 from kvcli.attention import dense_attention
 from kvcli.cache import CompressedLayer, KVCache, rotate_keys
+from kvcli.errors import UnsupportedModelError
 from kvcli.pod.attention import SharingPlan, shared_attention
 
 
 class PodCache(KVCache):
     """A :class:`~kvcli.cache.KVCache` of :class:`PodLayer` s that share distant keys as ``plan`` says."""
 
-    def __init__(self, num_layers: int, inv_freq: torch.Tensor, plan: SharingPlan):
+    def __init__(self, num_layers: int, inv_freq: torch.Tensor | list[torch.Tensor], plan: SharingPlan):
         if plan.num_layers != num_layers:
             raise ValueError(f"the plan has {plan.num_layers} layers, the model {num_layers}")
         self.plan = plan
@@ -46,8 +48,12 @@ class PodCache(KVCache):
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, plan: SharingPlan) -> PodCache:
-        rotary = model.model.rotary_emb
-        return cls(model.config.num_hidden_layers, rotary.inv_freq.detach().clone(), plan)
+        arch = describe(model)
+        if any(window is not None for window in arch.windows):
+            # Sharing assumes every layer holds the same slots; a window layer holds only its window.
+            raise UnsupportedModelError(f"pod does not support model type {arch.model_type!r}: "
+                                        "it has sliding-window layers")
+        return cls(len(arch.layers), [layer.inv_freq for layer in arch.layers], plan)
 
 
 class PodLayer(CompressedLayer):
@@ -117,7 +123,7 @@ class PodLayer(CompressedLayer):
             return keys  # every key still sits where it entered
         entry = self.entry_pos[heads] if slots is None else self.entry_pos[heads][:, slots]
         current = self.slot_positions() if slots is None else self.slot_positions()[slots]
-        return rotate_keys(keys, current[None, :] - entry, self.owner.inv_freq)
+        return rotate_keys(keys, current[None, :] - entry, self.inv_freq)
 
     def lead_keys(self, heads: list[int]) -> torch.Tensor:
         """This (lead) layer's keys of KV heads ``heads`` at every slot, rotated: ``[1, len(heads), T, D]``."""

@@ -1,0 +1,55 @@
+"""Gemma 3 270M, the second real model: sliding-window layers, two RoPE bases, one KV head (slow: --run-slow)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcli.architecture import describe
+from kvcli.engine import Engine
+from kvcli.methods import make_method
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def alice(gemma, books) -> torch.Tensor:
+    text = (books / "pg11-alice-in-wonderland.txt").read_text(encoding="utf-8")[:20000]
+    return torch.tensor(gemma.tokenizer(text).input_ids[:1024])
+
+
+def test_the_preset_reads_gemma3_layer_facts(gemma):
+    arch = describe(gemma.model)
+    assert arch.model_type == "gemma3_text" and len(arch.layers) == 18
+    assert arch.budgeted == [5, 11, 17]
+    assert {layer.window for i, layer in enumerate(arch.layers) if i not in arch.budgeted} == {512}
+    assert {layer.rope_theta for layer in arch.layers} == {10000.0, 1000000.0}
+    assert all(arch.layers[i].rope_theta == 1000000.0 for i in arch.budgeted)
+
+
+def test_full_streamed_equals_one_eager_forward(gemma, alice):
+    model, ids = gemma.model, alice[:700]
+    totals = Engine(model, make_method("full"), None, block=256).score([ids.tolist()])
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0]
+    finally:
+        model.set_attn_implementation("kvcli")
+    expected = F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum").item()
+    assert totals.nll_sum == pytest.approx(expected, rel=1e-3 if gemma.dtype != torch.float32 else 1e-4)
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "snapkv"])
+def test_compressing_methods_keep_windows_and_budget(gemma, alice, name):
+    engine = Engine(gemma.model, make_method(name), 256, block=128)
+    cache = engine.new_cache()
+    totals = engine.score([alice.tolist()], cache=cache)
+    lengths = cache.lengths()
+    assert math.isfinite(totals.ppl) and totals.ppl < 60
+    assert [lengths[i] for i in engine.architecture.budgeted] == [256, 256, 256]
+    assert all(lengths[i] == 511 for i in range(18) if i not in engine.architecture.budgeted)
+    assert totals.max_cache_tokens == 256
