@@ -66,6 +66,7 @@ def ppl(
     """Streaming perplexity of SOURCE under a fixed-size KV cache, with memory reported."""
     from kvcli.cli.render import ppl_summary
     from kvcli.methods import make_method
+    from kvcli.outputs import check_output, open_output
     from kvcli.perplexity import PerplexityRun, evaluate
     from kvcli.report import StreamProgress, dumps, print_result
 
@@ -78,6 +79,8 @@ def ppl(
         raise UsageError("--stream and --context/--stride are different protocols: choose one")
     nbytes = parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None
     method_obj = build_method(method, option, cache) if nbytes is None else make_method(method, parse_options(option))
+    if jsonl is not None:
+        check_output(jsonl, "--jsonl")
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
     if nbytes is not None:
@@ -85,7 +88,7 @@ def ppl(
     engine = setup.build_engine(loaded, method_obj, cache, block)
 
     progress = StreamProgress(max_tokens, loaded.device, enabled=not setup.quiet)
-    jsonl_file = jsonl.open("w") if jsonl else None
+    jsonl_file = open_output(jsonl, "--jsonl") if jsonl else None
 
     def on_block(stats, totals) -> None:
         if jsonl_file:
