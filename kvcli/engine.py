@@ -71,6 +71,18 @@ class StreamTotals:
         self.interrupted = self.interrupted or other.interrupted
 
 
+@dataclass
+class StreamState:
+    """Where a scored stream stands after a block: all a later process needs to continue it exactly
+    (the cache, the totals, the last hidden state that scores the next block's first token, and how
+    many tokens of the stream were read)."""
+
+    cache: KVCache
+    totals: StreamTotals
+    previous: torch.Tensor | None = None
+    position: int = 0
+
+
 def check_budget(method: Method, budget: int | None) -> int | None:
     """The one validation of a budget (tokens per layer, on average): the budget the engine will use.
 
@@ -234,17 +246,21 @@ class Engine:
 
     def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, max_tokens: int | None = None,
               cache: KVCache | None = None, score_from: int = 0,
-              on_block: Callable[[BlockStats, StreamTotals], None] | None = None) -> StreamTotals:
+              on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+              state: StreamState | None = None,
+              on_state: Callable[[StreamState], None] | None = None) -> StreamTotals:
         """Stream tokens through the model and sum the NLL of every token after the first.
 
         ``score_from`` skips scoring the first tokens (they are still read into the cache), for the
         sliding-window protocol. Ctrl-C ends the stream early with what was measured so far.
+        ``state`` continues a stream from a checkpoint (``token_chunks`` then hold the tokens after
+        ``state.position``); ``on_state`` sees the state after every block, for checkpoints.
         """
-        cache = cache or self.new_cache()
-        totals = StreamTotals()
-        previous: torch.Tensor | None = None  # logits of the last token of the previous block
-        stream_pos = 0
-        started = time.perf_counter()
+        cache = state.cache if state else (cache or self.new_cache())
+        totals = state.totals if state else StreamTotals()
+        previous: torch.Tensor | None = state.previous if state else None  # last hidden state of the previous block
+        stream_pos = state.position if state else 0
+        started = time.perf_counter() - totals.seconds
         try:
             for ids in blocks_of(token_chunks, self.block, limit=None if max_tokens is None else max_tokens + 1):
                 tick = time.perf_counter()
@@ -268,6 +284,9 @@ class Engine:
                 totals.blocks.append(stats)
                 if on_block:
                     on_block(stats, totals)
+                if on_state:
+                    totals.seconds = time.perf_counter() - started
+                    on_state(StreamState(cache, totals, previous, stream_pos))
         except KeyboardInterrupt:
             totals.interrupted = True
         totals.seconds = time.perf_counter() - started

@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,11 +234,18 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
                 model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
             elif path.exists():
                 raise KvcliError(f"--model {spec}: expected a folder, a .gguf file or a preset name")
+            elif not _is_hub_id(spec):
+                raise KvcliError(f"--model {spec}: no such file or folder (and not a Hugging Face id)")
             else:
                 tokenizer = AutoTokenizer.from_pretrained(spec)
                 model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
     except KvcliError:
         raise
+    except (struct.error, EOFError, IndexError, KeyError, UnicodeDecodeError):
+        if path.suffix != ".gguf":
+            raise
+        # The GGUF reader unpacks the header field by field and meets the end of a cut file there.
+        raise KvcliError(f"cannot read model file {spec}: it is a truncated or corrupt GGUF file") from None
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KvcliError(f"could not load model {spec!r}: {first}") from None
@@ -247,6 +255,18 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
     model.eval()
     model.set_attn_implementation(ATTENTION_NAME)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype)
+
+
+def _is_hub_id(spec: str) -> bool:
+    """Whether ``spec`` could name a Hugging Face repository: a missing local path (``./m``, ``/a/b``,
+    ``a/b/c``) is not one and is reported as a missing file instead of a malformed repository id."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return True
 
 
 def tiny_llama(num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,

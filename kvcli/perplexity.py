@@ -10,10 +10,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from kvcli.checkpoint import Checkpointer, skip_tokens
+from kvcli.corpus import run_corpus
+from kvcli.distributed import Ranks
 from kvcli.engine import BlockStats, Engine, StreamTotals, kv_bytes_per_token
+from kvcli.errors import UsageError
 from kvcli.models import LoadedModel
 from kvcli.report import peak_memory_bytes, reset_peak_memory
 from kvcli.text import Document, TokenChunk, TokenFeed, iter_tokens, token_stream
@@ -32,6 +37,7 @@ class PerplexityRun:
     totals: StreamTotals
     documents: list[dict]
     peak_memory: int
+    job: dict | None = None  # a corpus job's throughput: ranks, documents and tokens per second of wall time
 
     def as_dict(self) -> dict:
         totals = self.totals
@@ -49,6 +55,8 @@ class PerplexityRun:
         }
         if self.documents:
             out["documents"] = self.documents
+        if self.job is not None:
+            out["job"] = self.job
         return out
 
 
@@ -62,37 +70,89 @@ def evaluate(
     context: int | None = None,
     stride: int | None = None,
     on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
-) -> tuple[StreamTotals, list[dict], int]:
-    """Score ``documents`` and return the totals, one row per document (unless streamed) and peak memory."""
+    rows_path: Path | None = None,
+    resume: bool = False,
+    ranks: Ranks | None = None,
+    on_document: Callable[[int, Document], None] | None = None,
+    checkpoint: Checkpointer | None = None,
+) -> tuple[StreamTotals, list[dict], int, dict | None]:
+    """Score ``documents``; return the totals, one row per document (unless streamed), peak memory and,
+    for documents scored one by one, the job's throughput.
+
+    Documents scored one by one form a corpus job (:func:`kvcli.corpus.run_corpus`): rows go to
+    ``rows_path`` as they finish, ``resume`` skips those already there, and under several ``ranks``
+    rank 0 gets every row and the totals, summed in document order as one process sums them.
+    A ``checkpoint`` saves one stream (``stream`` or a single document) as it goes, and continues the
+    saved one when ``resume`` is set.
+    """
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
         torch.cuda.synchronize(loaded.device)
     tokenizer = loaded.tokenizer
+    ranks = ranks or Ranks()
 
     def run(chunks: Iterable[TokenChunk], limit: int | None) -> StreamTotals:
         feed = TokenFeed(chunks, tokenizer, limit)
         if context is not None:
             totals = engine.score_sliding(feed, context, stride or context, on_block=on_block)
+        elif checkpoint is not None:
+            state = checkpoint.load(engine) if resume else None
+            tokens = skip_tokens(feed, state.position) if state else feed
+            totals = engine.score(tokens, on_block=on_block, state=state, on_state=checkpoint.on_state)
+            if not totals.interrupted:
+                checkpoint.finish()
         else:
             totals = engine.score(feed, on_block=on_block)
         totals.num_bytes = feed.num_bytes
         return totals
 
-    overall = StreamTotals()
-    rows: list[dict] = []
+    if checkpoint is not None and not stream:
+        if len(documents) != 1:
+            raise UsageError("--checkpoint saves one stream: add --stream for a folder (or --rows for one row "
+                             "per document)")
+        stream = True  # one document streamed is the same run as the documents protocol over it
     if stream:
         overall = run(token_stream(documents, tokenizer), None if max_tokens is None else max_tokens + 1)
-    else:
-        for doc in documents:
-            remaining = None if max_tokens is None else max_tokens - overall.tokens
-            if remaining is not None and remaining <= 0:
-                break
-            totals = run(iter_tokens(doc, tokenizer), None if remaining is None else remaining + 1)
-            overall.add(totals)
-            rows.append({"name": doc.name, "tokens": totals.tokens, "nll": totals.nll, "ppl": totals.ppl,
-                         "seconds": totals.seconds})
-            if totals.interrupted:
-                break
-        if len(rows) == 1:
-            rows = []
-    return overall, rows, peak_memory_bytes(loaded.device)
+        return overall, [], peak_memory_bytes(loaded.device), None
+
+    scored = 0
+
+    def process(index: int, doc: Document) -> tuple[dict, bool] | None:
+        nonlocal scored
+        remaining = None if max_tokens is None else max_tokens - scored
+        if remaining is not None and remaining <= 0:
+            return None
+        if on_document is not None:
+            on_document(index, doc)
+        totals = run(iter_tokens(doc, tokenizer), None if remaining is None else remaining + 1)
+        scored += totals.tokens
+        return document_row(totals), not totals.interrupted
+
+    job = run_corpus(documents, process, rows_path=rows_path, resume=resume, ranks=ranks)
+    peaks = ranks.gather(peak_memory_bytes(loaded.device))
+    overall = StreamTotals()
+    for row in job.rows:
+        overall.add(row_totals(row))
+    overall.interrupted = job.interrupted
+    rows = [{"name": row["document"], **row} for row in job.rows] if len(job.rows) > 1 else []
+    fresh = [row for row, new in zip(job.rows, job.new, strict=True) if new]
+    processed = sum(row["processed"] for row in fresh)
+    throughput = {"ranks": ranks.world_size, "documents": len(fresh), "resumed": job.resumed,
+                  "tokens": processed, "seconds": job.seconds,
+                  "documents_per_second": len(fresh) / job.seconds if job.seconds > 0 else 0.0,
+                  "tokens_per_second": processed / job.seconds if job.seconds > 0 else 0.0}
+    return overall, rows, max(peaks) if peaks else 0, throughput
+
+
+def document_row(totals: StreamTotals) -> dict:
+    """A document's row (``--json``'s ``documents``, a line of ``--rows``), with every sum a merge needs."""
+    return {"tokens": totals.tokens, "nll": totals.nll, "ppl": totals.ppl, "seconds": totals.seconds,
+            "bytes": totals.num_bytes, "processed": totals.processed, "nll_sum": totals.nll_sum,
+            "max_cache_tokens": totals.max_cache_tokens, "kv_cache_bytes": totals.kv_cache_bytes}
+
+
+def row_totals(row: dict) -> StreamTotals:
+    """The totals a row was made from (exactly: JSON keeps every float's digits)."""
+    return StreamTotals(tokens=row["tokens"], processed=row["processed"], nll_sum=row["nll_sum"],
+                        num_bytes=row["bytes"], seconds=row["seconds"], max_cache_tokens=row["max_cache_tokens"],
+                        kv_cache_bytes=row["kv_cache_bytes"])

@@ -173,3 +173,27 @@ class ReadProgress:
 
     def __exit__(self, *exc) -> None:
         self.progress.stop()
+
+
+class DocumentProgress:
+    """A Rich bar over the documents of a corpus job on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 TextColumn("{task.completed:,}/{task.total:,}"), TimeElapsedColumn(),
+                                 console=stderr_console, transient=True, disable=not self.enabled)
+        self.task = self.progress.add_task("documents", total=total)
+
+    def start(self, name: str) -> None:
+        self.progress.update(self.task, description=f"documents · {name}")
+
+    def done(self) -> None:
+        self.progress.advance(self.task)
+
+    def __enter__(self) -> DocumentProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()

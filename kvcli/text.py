@@ -64,6 +64,9 @@ class Document:
 
     Call it once: standard input cannot be read twice.
     """
+    size: int | None = None
+    """Bytes of the file behind it (None for standard input and data set rows): what a corpus job
+    balances ranks by."""
 
 
 @dataclass
@@ -150,7 +153,7 @@ def _file_document(
         except OSError as error:
             raise KvcliError(f"cannot read {name}: {error.strerror or error}") from error
 
-    return Document(name, read_chunks)
+    return Document(name, read_chunks, path.stat().st_size)
 
 
 def _stream_document(

@@ -49,6 +49,10 @@ MethodsOptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", he
                                                             "for one (repeatable).")]
 DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="Folder of .txt books for the pg19 source "
                                                  "when offline (or set KVCLI_DATA).")]
+RowsOpt = Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per document to this file as "
+                                             "each document finishes (whole lines only, even after a kill).")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue a killed run: skip the documents whose rows "
+                                         "are already in --rows.")]
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,19 @@ class Setup:
         from kvcli.engine import Engine
 
         return Engine(loaded.model, method, budget, block=block, warn=self.say)
+
+
+def join_ranks(setup: Setup):
+    """This process's :class:`kvcli.distributed.Ranks` (joining the job when a launcher started several) and
+    ``setup`` with the rank's device; only rank 0 draws progress and warns."""
+    from kvcli.distributed import join, launched_ranks
+
+    if launched_ranks() == 1:
+        from kvcli.distributed import Ranks
+
+        return Ranks(), setup
+    ranks, device = join(setup.device)
+    return ranks, dataclasses.replace(setup, device=device, quiet=setup.quiet or not ranks.main)
 
 
 def options_bundle(argument: str, build: Callable[..., Any], parameters: list[inspect.Parameter]

@@ -14,9 +14,11 @@ from kvcli.cli.options import (
     DataDirOpt,
     MethodOpt,
     OptionOpt,
+    RowsOpt,
     Setup,
     build_method,
     check_at_least,
+    join_ranks,
     parse_block,
     parse_bytes,
     parse_options,
@@ -61,12 +63,21 @@ def ppl(
     jsonl: Annotated[Path | None, typer.Option("--jsonl", help="Write one JSON record per block to this file "
                                                "(position, nll, cache tokens, tokens/s).")] = None,
     data_dir: DataDirOpt = None,
+    rows: RowsOpt = None,
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Save the whole state of the stream "
+                                                    "(--stream, or one document) in this folder as it goes; "
+                                                    "--resume continues it after a kill.")] = None,
+    checkpoint_every: Annotated[str, typer.Option("--checkpoint-every", help="Tokens (100000) or time (90s, "
+                                                  "10m, 1h) between checkpoints.")] = "10m",
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run: skip the documents already in "
+                                         "--rows, or continue the stream saved in --checkpoint.")] = False,
     *,
     setup: Setup,
 ) -> None:
     """Streaming perplexity of SOURCE under a fixed-size KV cache, with memory reported."""
     from kvcli.cli.render import ppl_summary
     from kvcli.methods import make_method
+    from kvcli.outputs import check_output, open_output
     from kvcli.perplexity import PerplexityRun, evaluate
     from kvcli.report import StreamProgress, dumps, print_result
 
@@ -78,34 +89,71 @@ def ppl(
         raise UsageError("--stride must be between 1 and --context")
     if context is not None and stream:
         raise UsageError("--stream and --context/--stride are different protocols: choose one")
+    if stream and rows is not None:
+        raise UsageError("--rows writes one row per document; --stream reads them as one stream")
+    if resume and rows is None and checkpoint is None:
+        raise UsageError("--resume needs --rows FILE (rows written are skipped) or --checkpoint DIR (its stream "
+                         "continues)")
+    if checkpoint is not None and (rows is not None or context is not None):
+        raise UsageError(f"--checkpoint saves one stream, not {'--rows' if rows is not None else '--context'}: "
+                         "choose one")
+    if checkpoint is not None and resume and jsonl is not None:
+        raise UsageError("--jsonl cannot continue the per-block curve of a resumed stream: leave it out")
+    from kvcli.checkpoint import Checkpointer, identity, parse_every
+
+    every_tokens, every_seconds = parse_every(checkpoint_every)
+    ranks, setup = join_ranks(setup)
+    if ranks.distributed and (stream or max_tokens is not None or checkpoint is not None):
+        flag = "--stream" if stream else "--max-tokens" if max_tokens is not None else "--checkpoint"
+        raise UsageError(f"{flag} needs one process: several ranks share whole documents")
     nbytes = parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None
     method_obj = build_method(method, option, cache) if nbytes is None else make_method(method, parse_options(option))
+    for path, flag in ((jsonl, "--jsonl"), (rows, "--rows")):
+        if path is not None:
+            check_output(path, flag)
+    if checkpoint is not None:
+        check_output(checkpoint, "--checkpoint", folder=True)
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
     if nbytes is not None:
         cache = bytes_budget(method_obj, loaded, nbytes, cache_bytes)
     engine = setup.build_engine(loaded, method_obj, cache, block_size)
+    saver = None if checkpoint is None else Checkpointer(checkpoint, identity(loaded, engine, documents),
+                                                         every_tokens, every_seconds)
 
-    progress = StreamProgress(max_tokens, loaded.device, enabled=not setup.quiet)
-    jsonl_file = jsonl.open("w") if jsonl else None
+    progress = StreamProgress(max_tokens, loaded.device, enabled=not setup.quiet and ranks.main)
+    label: list[str] = []  # the document being scored, shown on the progress line
+
+    def on_document(index: int, doc) -> None:
+        label[:] = [f"{index + 1}/{len(documents)} {Path(doc.name).name}"]
+
+    jsonl_file = open_output(jsonl, "--jsonl") if jsonl else None
 
     def on_block(stats, totals) -> None:
         if jsonl_file:
             jsonl_file.write(json.dumps({"position": stats.position, "tokens": stats.tokens, "nll": stats.nll,
                                          "cache_tokens": stats.cache_tokens,
                                          "tokens_per_second": stats.tokens_per_second}) + "\n")
-        progress.update(totals.processed, stats.tokens_per_second, totals.ppl, stats.cache_tokens)
+        progress.update(totals.processed, stats.tokens_per_second, totals.ppl, stats.cache_tokens,
+                        label[0] if label else None)
 
     try:
         with progress.running():
-            totals, rows, peak = evaluate(loaded, documents, engine, max_tokens=max_tokens, stream=stream,
-                                          context=context, stride=stride, on_block=on_block)
+            totals, doc_rows, peak, job = evaluate(loaded, documents, engine, max_tokens=max_tokens, stream=stream,
+                                                   context=context, stride=stride, on_block=on_block,
+                                                   rows_path=rows, resume=resume, ranks=ranks,
+                                                   on_document=on_document, checkpoint=saver)
     finally:
         if jsonl_file:
             jsonl_file.close()
+        ranks.close()
+    if not ranks.main:  # rank 0 prints the whole job's result
+        return
+    if saver is not None and saver.resumed_from is not None:
+        setup.note(f"continued the checkpoint in {checkpoint} from token {saver.resumed_from:,} of the stream")
     protocol = "sliding" if context is not None else ("stream" if stream else "documents")
-    result = PerplexityRun(loaded, method, method_obj.settings(), engine.budget, engine.block, protocol, totals, rows,
-                           peak).as_dict()
+    result = PerplexityRun(loaded, method, method_obj.settings(), engine.budget, engine.block, protocol, totals,
+                           doc_rows, peak, job).as_dict()
     print_result(dumps(result) if json_out else ppl_summary(result))
     if totals.interrupted:
         raise typer.Exit(130)

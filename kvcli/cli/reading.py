@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,10 +18,13 @@ from kvcli.cli.options import (
     CacheOpt,
     MethodOpt,
     OptionOpt,
+    ResumeOpt,
+    RowsOpt,
     Setup,
     build_method,
     check_at_least,
     explicit,
+    join_ranks,
     keyword,
     options_bundle,
     parse_block,
@@ -29,8 +33,8 @@ from kvcli.cli.options import (
 )
 from kvcli.errors import UsageError
 
-SourceArg = Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text), or - for "
-                                          "stdin.")]
+SourceArg = Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text; one by "
+                                          "one with --each), or - for stdin.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Stop after generating this many tokens.")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy; above 0, sample from the "
                                                "softmax at this temperature.")]
@@ -47,6 +51,8 @@ OneShotOpt = Annotated[bool | None, typer.Option("--one-shot/--no-one-shot", hel
 ProbeOpt = Annotated[bool, typer.Option("--probe/--no-probe", help="Query-aware compression while streaming: "
                                         "the instruction's queries score the cache after every block.")]
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Extra stop string (repeatable).")]
+EachOpt = Annotated[bool, typer.Option("--each", help="One result per document of a folder, each read with a "
+                                       "fresh cache: one JSON line per document on stdout, or to --rows FILE.")]
 AnswerPrefixOpt = Annotated[str, typer.Option("--answer-prefix", help="Start the answer with this text (e.g. "
                                               "'The answer is'); the model continues it.")]
 
@@ -68,15 +74,18 @@ class ReadOptions:
     one_shot: bool | None
     probe: bool
     stop: list[str]
+    each: bool = False
+    rows: Path | None = None
+    resume: bool = False
 
 
 def with_reading(max_new_tokens: int):
     """The options ``summarize`` and ``ask`` share, handed to the command as one :class:`ReadOptions` (``read``)."""
 
     def build(method, cache, block, option, max_new_tokens, answer_prefix, temperature, seed, json_out, preset,
-              one_shot, probe, stop) -> ReadOptions:
+              one_shot, probe, stop, each, rows, resume) -> ReadOptions:
         return ReadOptions(method, cache, block, parse_options(option), max_new_tokens, answer_prefix, temperature,
-                           seed, json_out, preset or [], one_shot, probe, stop or [])
+                           seed, json_out, preset or [], one_shot, probe, stop or [], each, rows, resume)
 
     return options_bundle("read", build, [
         keyword("method", MethodOpt, "treekv"), keyword("cache", CacheOpt, 1024), keyword("block", BlockOpt, "auto"),
@@ -84,6 +93,7 @@ def with_reading(max_new_tokens: int):
         keyword("answer_prefix", AnswerPrefixOpt, ""), keyword("temperature", TemperatureOpt, 0.0),
         keyword("seed", SeedOpt, 0), keyword("json_out", JsonOpt, False), keyword("preset", PresetOpt, None),
         keyword("one_shot", OneShotOpt, None), keyword("probe", ProbeOpt, True), keyword("stop", StopOpt, None),
+        keyword("each", EachOpt, False), keyword("rows", RowsOpt, None), keyword("resume", ResumeOpt, False),
     ])
 
 
@@ -126,6 +136,19 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     if read.temperature < 0:
         raise UsageError(f"--temperature must not be negative, not {read.temperature}")
     method_obj = build_method(read.method, read.options, read.cache)
+    if not read.each and (read.rows is not None or read.resume):
+        raise UsageError(f"{'--rows' if read.rows is not None else '--resume'} goes with --each (one row per document)")
+    if read.resume and read.rows is None:
+        raise UsageError("--resume needs --rows FILE (the rows already written are skipped)")
+    if read.each and read.json_out:
+        raise UsageError("--each already prints one JSON object per document: drop --json")
+    ranks, setup = join_ranks(setup)
+    if ranks.distributed and not read.each:
+        raise UsageError("several ranks share the documents of a folder: add --each")
+    if read.rows is not None:
+        from kvcli.outputs import check_output
+
+        check_output(read.rows, "--rows")
     documents = setup.documents(source)
     loaded = setup.load()
     tokenizer = loaded.tokenizer
@@ -133,6 +156,9 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     parts = build_prompt(tokenizer, instruction)
     reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
                     temperature=read.temperature, seed=read.seed)
+    if read.each:
+        each_document(command, documents, reader, parts, instruction, setup, read, ranks)
+        return
     out = None if read.json_out else StdoutStream()
     reset_peak_memory(loaded.device)
     progress = ReadProgress(enabled=not setup.quiet)
@@ -175,6 +201,54 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
         stderr_console.print(reading_summary(gen, loaded, read.method, engine.budget, engine.block, peak),
                              markup=False, highlight=False)
     if gen.finish_reason == "interrupted":
+        raise typer.Exit(130)
+
+
+def each_document(command: str, documents: list, reader, parts, instruction, setup: Setup, read: ReadOptions,
+                  ranks) -> None:
+    """``--each``: every document read with a fresh cache and written about; one JSON row per document."""
+    from kvcli.corpus import run_corpus
+    from kvcli.generate import document_tokens
+    from kvcli.report import DocumentProgress, dumps, print_result, stderr_console
+
+    tokenizer = reader.tokenizer
+    primer = instruction.answer_prefix
+    to_stdout = read.rows is None
+    progress = DocumentProgress(len(documents), enabled=not setup.quiet)
+
+    def process(index: int, doc) -> tuple[dict, bool]:
+        progress.start(Path(doc.name).name)
+        gen = reader.run(parts, document_tokens([doc], tokenizer), read.max_new_tokens, one_shot=read.one_shot,
+                         probe=read.probe)
+        progress.done()
+        return {"tokens": gen.document_tokens, "text": (primer + gen.text).strip(), "prompt_tokens": gen.prompt_tokens,
+                "generated_tokens": gen.generated_tokens, "finish_reason": gen.finish_reason,
+                "one_shot": gen.one_shot, "max_cache_tokens": gen.max_cache_tokens,
+                "kv_cache_bytes": gen.kv_cache_bytes, "seconds": gen.seconds}, gen.finish_reason != "interrupted"
+
+    def show(row: dict) -> None:
+        print_result(dumps(row))
+
+    try:
+        with progress:
+            job = run_corpus(documents, process, rows_path=read.rows, resume=read.resume, ranks=ranks,
+                             on_row=show if to_stdout and not ranks.distributed else None)
+    finally:
+        ranks.close()
+    if not ranks.main:
+        return
+    if to_stdout and ranks.distributed:  # rank 0 prints every rank's rows, in document order
+        for row in job.rows:
+            show(row)
+    fresh = [row for row, new in zip(job.rows, job.new, strict=True) if new]
+    tokens = sum(row["prompt_tokens"] + row["generated_tokens"] for row in fresh)
+    if not setup.quiet:
+        seconds = max(job.seconds, 1e-9)
+        stderr_console.print(f"{command}: {len(fresh):,} documents ({job.resumed:,} resumed) on {ranks.world_size} "
+                             f"rank{'s' if ranks.distributed else ''} in {job.seconds:.1f} s · "
+                             f"{len(fresh) / seconds:.3f} documents/s · {tokens / seconds:,.0f} tokens/s",
+                             markup=False, highlight=False)
+    if job.interrupted:
         raise typer.Exit(130)
 
 

@@ -37,6 +37,12 @@ def ppl_summary(result: dict) -> str:
                  f"{mib(full)}) · peak memory {mib(result['peak_memory_bytes'])}")
     lines.append(f"{result['seconds']:.1f} s · {result['tokens_per_second']:,.0f} tokens/s on "
                  f"{result['device']} ({result['dtype']})")
+    job = result.get("job")
+    if job and (job["documents"] > 1 or job["ranks"] > 1 or job["resumed"]):
+        resumed = f" ({job['resumed']:,} resumed from --rows)" if job["resumed"] else ""
+        lines.append(f"job: {job['documents']:,} documents{resumed} on {job['ranks']} rank"
+                     f"{'s' if job['ranks'] > 1 else ''} in {job['seconds']:.1f} s · "
+                     f"{job['documents_per_second']:.3f} documents/s · {job['tokens_per_second']:,.0f} tokens/s")
     for row in result.get("documents", []):
         lines.append(f"  {row['name']}: ppl {row['ppl']:.3f} over {row['tokens']:,} tokens")
     return "\n".join(lines)

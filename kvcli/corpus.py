@@ -1,0 +1,145 @@
+"""A corpus job: one row per document, shared among ranks, resumable after any kind of death.
+
+The commands decide what a document's row holds (a perplexity, a summary, an answer); this module
+decides which documents this process reads, where finished rows go, and what the job's result is:
+
+* **Resume.** A row is appended to its rows file (a whole line per write, see
+  :class:`kvcli.outputs.RowLog`) as soon as its document is done; with ``resume`` the documents
+  whose rows are already there are skipped. A document cut short by Ctrl-C is reported but never
+  written, so it is read again on resume.
+* **Ranks.** Under ``torchrun``/``accelerate launch`` the documents still to do are dealt to the
+  ranks longest first, each to the rank with the fewest bytes so far (:func:`shard`). Every rank
+  appends to its own part file beside the rows file (``rows.jsonl.rank1``) and sends its rows to
+  rank 0, which puts every row in document order: the same rows, in the same order, as one process
+  produces. Rank 0 then rewrites the rows file with them at once and removes the parts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvcli.distributed import Ranks
+from kvcli.outputs import RowLog, read_rows
+from kvcli.text import Document
+
+#: What a command does with one document: its row (without the ``document`` key, which the job
+#: adds) and whether the document was read to its end; None to stop before it (a token limit).
+Process = Callable[[int, Document], "tuple[dict, bool] | None"]
+
+
+def shard(sizes: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indices of each rank's documents: longest first, each to the rank with the fewest bytes so far
+    (ties to the lower rank), every rank's share in document order. Deterministic, so every rank
+    computes the same deal without a message."""
+    loads = [0] * world_size
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[rank] += sizes[index]
+        shares[rank].append(index)
+    return [sorted(share) for share in shares]
+
+
+@dataclass
+class CorpusResult:
+    """What a corpus job produced; complete on rank 0, this rank's own rows elsewhere."""
+
+    rows: list[dict]  # one per document with a row, in document order (resumed ones included)
+    new: list[bool]  # per row: computed by this job (False: taken from the rows file)
+    seconds: float  # wall time of the job
+    interrupted: bool = False
+    ranks: Ranks = field(default_factory=Ranks)
+
+    @property
+    def resumed(self) -> int:
+        return sum(1 for fresh in self.new if not fresh)
+
+
+def part_path(path: Path, rank: int) -> Path:
+    """The rows file rank ``rank`` appends to while several ranks run."""
+    return path.with_name(f"{path.name}.rank{rank}")
+
+
+def _parts(path: Path) -> list[Path]:
+    return sorted(path.parent.glob(f"{path.name}.rank*"))
+
+
+def run_corpus(documents: list[Document], process: Process, *, rows_path: Path | None = None,
+               flag: str = "--rows", resume: bool = False, ranks: Ranks | None = None,
+               on_row: Callable[[dict], None] | None = None) -> CorpusResult:
+    """Run ``process`` over the documents this rank is dealt and gather every row on rank 0.
+
+    ``on_row`` sees each row this rank finishes, as it finishes (a command printing rows as they
+    come). ``resume`` skips documents whose rows are in ``rows_path`` or its part files.
+    """
+    ranks = ranks or Ranks()
+    started = time.perf_counter()
+    log: RowLog | None = None
+    done: dict[str, dict] = {}
+    if rows_path is not None:
+        main_log = RowLog(rows_path, flag)  # checks the path on every rank, before any work
+        if ranks.main:
+            main_log.start(resume)
+            if not resume:
+                for part in _parts(rows_path):
+                    part.unlink()
+        ranks.barrier()  # rank 0 has cleared or repaired the files
+        if resume:
+            for source in (rows_path, *_parts(rows_path)):
+                for row in read_rows(source):
+                    done.setdefault(row["document"], row)
+        ranks.barrier()  # every rank has read the same rows before any rank writes
+        log = RowLog(part_path(rows_path, ranks.rank), flag) if ranks.distributed else main_log
+        if ranks.distributed:
+            log.start(False)
+
+    todo = [i for i, doc in enumerate(documents) if doc.name not in done]
+    share = shard([documents[i].size or 0 for i in todo], ranks.world_size)[ranks.rank]
+    mine: list[tuple[int, dict]] = []
+    cut: int | None = None  # the document Ctrl-C cut short: reported, never written
+    for position in share:
+        index = todo[position]
+        doc = documents[index]
+        outcome = process(index, doc)
+        if outcome is None:
+            break
+        row, complete = outcome
+        row = {"document": doc.name, **row}
+        mine.append((index, row))
+        if on_row is not None:
+            on_row(row)
+        if not complete:
+            cut = index
+            break
+        if log is not None:
+            log.append(row)
+
+    gathered = ranks.gather((mine, cut))
+    if gathered is None:  # not rank 0: its rows are in its part file and on rank 0
+        return CorpusResult([row for _, row in mine], [True] * len(mine), time.perf_counter() - started,
+                            cut is not None, ranks)
+    fresh = {index: row for rows, _ in gathered for index, row in rows}
+    cuts = {index for _, index in gathered if index is not None}
+    rows: list[dict] = []
+    new: list[bool] = []
+    written: list[dict] = []
+    for index, doc in enumerate(documents):
+        if index in fresh:
+            rows.append(fresh[index])
+            new.append(True)
+            if index not in cuts:
+                written.append(fresh[index])
+        elif doc.name in done:
+            rows.append(done[doc.name])
+            new.append(False)
+            written.append(done[doc.name])
+    if rows_path is not None and (ranks.distributed or _parts(rows_path)):
+        names = {doc.name for doc in documents}
+        others = [row for name, row in done.items() if name not in names]  # rows of other documents stay
+        RowLog(rows_path, flag).rewrite(written + others)
+        for part in _parts(rows_path):
+            part.unlink()
+    return CorpusResult(rows, new, time.perf_counter() - started, bool(cuts), ranks)
