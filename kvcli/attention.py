@@ -35,6 +35,18 @@ def block_causal_mask(queries: int, keys: int, device: torch.device) -> torch.Te
     return cols <= rows + offset
 
 
+def window_probs(logits: torch.Tensor, scaling: float, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``scaling`` times the window's ``logits`` ``[H_kv, group, w, keys]``, summed over the queries.
+
+    The one place scores are made, for every attention path and device: scaled, softmaxed and summed
+    in fp32, so that bf16 rounding of the probabilities never turns near-equal scores into exact ties
+    (which the eviction rules break to the left) on one device and not on another.
+    """
+    logits = logits.float().mul_(scaling)
+    logits.masked_fill_(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=2)
+
+
 def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
     """Softmax attention of the last ``window`` queries, summed over them: ``[H_kv, group, keys]`` in fp32."""
     _, q_heads, q_len, dim = query.shape
@@ -42,11 +54,8 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, win
     group = q_heads // kv_heads
     window = min(window, q_len)
     tail = query[0, :, q_len - window:, :].reshape(kv_heads, group * window, dim)
-    logits = torch.matmul(tail, key[0].transpose(1, 2)).float().mul_(scaling)
-    logits = logits.view(kv_heads, group, window, k_len)
-    visible = block_causal_mask(q_len, k_len, query.device)[q_len - window:]
-    logits.masked_fill_(~visible, float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=2)
+    logits = torch.matmul(tail, key[0].transpose(1, 2)).view(kv_heads, group, window, k_len)
+    return window_probs(logits, scaling, block_causal_mask(q_len, k_len, query.device)[q_len - window:])
 
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -55,13 +64,20 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
     On CPUs with AMX the matmuls run at the bf16 rate while the fused SDPA kernel does not (timings
     in docs/benchmarks.md), and the probabilities the methods score with come for free. Query heads
-    are grouped under their KV head (GQA) instead of repeating keys and values.
+    are grouped under their KV head (GQA) instead of repeating keys and values. The output keeps the
+    input dtype; the window's scores are a second, fp32 softmax of the same logits' last rows
+    (:func:`window_probs`), never sums of the bf16 probabilities.
     """
     _, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     grouped = (query[0] * scaling).reshape(kv_heads, group * q_len, dim)
     logits = torch.matmul(grouped, key[0].transpose(1, 2)).view(kv_heads, group, q_len, k_len)
+    tail = None
+    if window > 0:  # before the in-place causal mask below; the scaling is already in the logits
+        w = min(window, q_len)
+        visible = block_causal_mask(q_len, k_len, query.device)[q_len - w:]
+        tail = window_probs(logits[:, :, q_len - w:, :], 1.0, visible)
     if q_len > 1:  # only the new keys need the causal mask: every cached key is visible to every query
         offset = k_len - q_len
         new_part = logits[..., offset:]
@@ -69,9 +85,6 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     probs = torch.softmax(logits, dim=-1)
     output = torch.matmul(probs.view(kv_heads, group * q_len, k_len), value[0])
     output = output.view(1, q_heads, q_len, value.shape[-1])
-    tail = None
-    if window > 0:
-        tail = probs[:, :, q_len - min(window, q_len):, :].sum(dim=2, dtype=torch.float32)
     return output, tail
 
 
