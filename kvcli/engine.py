@@ -21,6 +21,9 @@ from kvcli.cache import KVCache, LayerView
 from kvcli.errors import UsageError
 from kvcli.methods.base import Method
 
+#: Sees the log-probabilities ``[rows, V]`` of scored tokens and their targets ``[rows]``, in stream order.
+LogitsHook = Callable[[torch.Tensor, torch.Tensor], None]
+
 
 @dataclass
 class BlockStats:
@@ -158,18 +161,24 @@ class Engine:
         return self.head(hidden)
 
     @torch.inference_mode()
-    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 64,
+                  on_logits: LogitsHook | None = None) -> torch.Tensor:
         """NLL (nats, float32) of ``targets[i]`` given ``hidden[i]``, projecting a few rows at a time.
 
         Chunks keep the logits small enough for the CPU's caches and never build the block's full
-        log-softmax output, which ``cross_entropy`` over the whole block would.
+        log-softmax output, which ``cross_entropy`` over the whole block would. ``on_logits`` sees
+        each chunk's log-probabilities ``[rows, V]`` (float32) and targets, in stream order
+        (``kvcli ppl --save-logits/--kl-base``).
         """
         out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
         targets = targets.to(hidden.device)
         for i in range(0, targets.shape[0], chunk):
             logits = self.head(hidden[i:i + chunk]).float()
             picked = logits.gather(1, targets[i:i + chunk, None])[:, 0]
-            out[i:i + chunk] = torch.logsumexp(logits, dim=-1) - picked
+            total = torch.logsumexp(logits, dim=-1)
+            out[i:i + chunk] = total - picked
+            if on_logits is not None:
+                on_logits(logits - total[:, None], targets[i:i + chunk])
         return out
 
     def compress(self, cache: KVCache, num_new: int, decoding: bool = False) -> None:
@@ -182,7 +191,8 @@ class Engine:
 
     def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, max_tokens: int | None = None,
               cache: KVCache | None = None, score_from: int = 0,
-              on_block: Callable[[BlockStats, StreamTotals], None] | None = None) -> StreamTotals:
+              on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+              on_logits: LogitsHook | None = None) -> StreamTotals:
         """Stream tokens through the model and sum the NLL of every token after the first.
 
         ``score_from`` skips scoring the first tokens (they are still read into the cache), for the
@@ -201,7 +211,7 @@ class Engine:
                 targets = ids[1:] if previous is None else ids
                 first = stream_pos + (1 if previous is None else 0)  # stream index of targets[0]
                 skip = max(0, min(score_from - first, targets.shape[0]))
-                nll = self.token_nll(predictors[skip:], targets[skip:]).sum()
+                nll = self.token_nll(predictors[skip:], targets[skip:], on_logits=on_logits).sum()
                 previous = hidden[-1:]
                 stream_pos += ids.shape[0]
                 scored = targets.shape[0] - skip
@@ -224,7 +234,8 @@ class Engine:
 
 
     def score_sliding(self, token_chunks: Iterable[list[int] | torch.Tensor], context: int, stride: int, *,
-                      on_block: Callable[[BlockStats, StreamTotals], None] | None = None) -> StreamTotals:
+                      on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+                      on_logits: LogitsHook | None = None) -> StreamTotals:
         """The papers' sliding-window protocol (TreeKV Table 1, Hugging Face's perplexity guide).
 
         Windows of ``context`` tokens start every ``stride`` tokens; each is streamed from an empty
@@ -247,7 +258,7 @@ class Engine:
             window = buffer[:context]
             if len(window) < 2 or (scored_end > 0 and begin + len(window) <= scored_end):
                 break
-            part = self.score([window], score_from=scored_end - begin, on_block=on_block)
+            part = self.score([window], score_from=scored_end - begin, on_block=on_block, on_logits=on_logits)
             totals.add(part)
             totals.blocks.extend(part.blocks)
             scored_end = begin + len(window)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcli.engine import BlockStats, Engine, StreamTotals, kv_bytes_per_token
+from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals, kv_bytes_per_token
 from kvcli.models import LoadedModel
 from kvcli.report import peak_memory_bytes, reset_peak_memory
 from kvcli.text import Document, TokenChunk, TokenFeed, iter_tokens, token_stream
@@ -62,8 +62,12 @@ def evaluate(
     context: int | None = None,
     stride: int | None = None,
     on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+    on_logits: LogitsHook | None = None,
 ) -> tuple[StreamTotals, list[dict], int]:
-    """Score ``documents`` and return the totals, one row per document (unless streamed) and peak memory."""
+    """Score ``documents`` and return the totals, one row per document (unless streamed) and peak memory.
+
+    ``on_logits`` sees every scored token's log-probabilities in stream order, documents one after
+    the other (see :mod:`kvcli.kl`)."""
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
         torch.cuda.synchronize(loaded.device)
@@ -72,9 +76,9 @@ def evaluate(
     def run(chunks: Iterable[TokenChunk], limit: int | None) -> StreamTotals:
         feed = TokenFeed(chunks, tokenizer, limit)
         if context is not None:
-            totals = engine.score_sliding(feed, context, stride or context, on_block=on_block)
+            totals = engine.score_sliding(feed, context, stride or context, on_block=on_block, on_logits=on_logits)
         else:
-            totals = engine.score(feed, on_block=on_block)
+            totals = engine.score(feed, on_block=on_block, on_logits=on_logits)
         totals.num_bytes = feed.num_bytes
         return totals
 

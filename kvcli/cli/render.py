@@ -37,6 +37,12 @@ def ppl_summary(result: dict) -> str:
                  f"{mib(full)}) · peak memory {mib(result['peak_memory_bytes'])}")
     lines.append(f"{result['seconds']:.1f} s · {result['tokens_per_second']:,.0f} tokens/s on "
                  f"{result['device']} ({result['dtype']})")
+    if "kl_mean" in result:
+        lines.append(f"KL divergence vs {Path(result['kl_base']).name}: mean {result['kl_mean']:.4f} nats/token, "
+                     f"99th percentile {result['kl_p99']:.4f} · same top token {result['same_top']:.1%} over "
+                     f"{result['kl_tokens']:,} tokens")
+    if "saved_logits" in result:
+        lines.append(f"reference saved to {result['saved_logits']}")
     for row in result.get("documents", []):
         lines.append(f"  {row['name']}: ppl {row['ppl']:.3f} over {row['tokens']:,} tokens")
     return "\n".join(lines)
