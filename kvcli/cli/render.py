@@ -93,7 +93,8 @@ def reading_summary(gen, loaded, method: str, budget: int | None, block: int, pe
 
 
 def needle_tables(result, model_name: str) -> str:
-    """The grid as two Rich tables rendered to text: accuracy per method x length, then per depth."""
+    """The grid as two Rich tables rendered to text: accuracy per method x length, then per depth, each
+    rate with its 95% Wilson interval."""
     buffer = io.StringIO()
     console = _console(buffer)
     settings = result.settings
@@ -127,7 +128,8 @@ def needle_tables(result, model_name: str) -> str:
 def _fmt(row: dict | None) -> str:
     if row is None:
         return "-"
-    return f"{row['accuracy']:.0%} ({row['correct']}/{row['trials']})"
+    low, high = row["ci95"]
+    return f"{row['accuracy']:.0%} ({row['correct']}/{row['trials']}, 95% CI {low:.0%}-{high:.0%})"
 
 
 def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, markdown: bool = False) -> str:
