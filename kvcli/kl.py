@@ -53,6 +53,11 @@ def top_and_rest(logprobs: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tenso
     return top, rest
 
 
+def token_digest(targets) -> str:
+    """SHA-256 of scored token ids as a reference's footer records them (int32, little-endian, in order)."""
+    return hashlib.sha256(np.asarray(targets, dtype="<i4").tobytes()).hexdigest()
+
+
 class LogitsWriter:
     """Writes a reference as the run streams: :meth:`add` per chunk of scored tokens, :meth:`close` once."""
 
