@@ -61,6 +61,19 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 WINDOW_CHUNK_SCORES = 1 << 26
 
 
+def window_probs(logits: torch.Tensor, scaling: float, visible: torch.Tensor | None) -> torch.Tensor:
+    """Softmax of ``scaling`` times the window's ``logits`` ``[H_kv, group, w, keys]``, summed over the queries.
+
+    The one place scores are made, for every attention path and device: scaled, softmaxed and summed
+    in fp32, so that bf16 rounding of the probabilities never turns near-equal scores into exact ties
+    (which the eviction rules break to the left) on one device and not on another.
+    """
+    logits = logits.float().mul_(scaling)
+    if visible is not None:  # None: the logits are masked already
+        logits.masked_fill_(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=2)
+
+
 def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
     """Softmax attention of the last ``window`` queries, summed over them: ``[H_kv, group, keys]`` in fp32.
 
@@ -76,10 +89,10 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, win
     for first in range(q_len - window, q_len, chunk):
         last = min(first + chunk, q_len)
         rows = query[0, :, first:last, :].reshape(kv_heads, group * (last - first), dim)
-        logits = torch.matmul(rows, keys_t).float().mul_(scaling).view(kv_heads, group, last - first, k_len)
+        logits = torch.matmul(rows, keys_t).view(kv_heads, group, last - first, k_len)
         rows_at = torch.arange(first, last, device=query.device)[:, None] + (k_len - q_len)
-        logits.masked_fill_(torch.arange(k_len, device=query.device)[None, :] > rows_at, float("-inf"))
-        total += torch.softmax(logits, dim=-1).sum(dim=2)
+        visible = torch.arange(k_len, device=query.device)[None, :] <= rows_at
+        total += window_probs(logits, scaling, visible)
     return total
 
 
@@ -91,7 +104,9 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     On CPUs with AMX the matmuls run at the bf16 rate while the fused SDPA kernel does not (timings
     in docs/benchmarks.md), and the probabilities the methods score with come for free. Query heads
     are grouped under their KV head (GQA) instead of repeating keys and values. ``sinks`` ``[H_q]``
-    are learned logits that join each query's softmax and are dropped after it.
+    are learned logits that join each query's softmax and are dropped after it. The output keeps the
+    input dtype; the window's scores are a second, fp32 softmax of the same masked logits' last rows
+    (:func:`window_probs`), never sums of the bf16 probabilities.
     """
     _, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -104,6 +119,9 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         offset = k_len - q_len
         new_part = logits[..., offset:]
         new_part.masked_fill_(~block_causal_mask(q_len, q_len, query.device), float("-inf"))
+    tail = None
+    if window > 0:  # the scaling is already in the logits
+        tail = window_probs(logits[:, :, q_len - min(window, q_len):, :], 1.0, None)
     if sinks is None:
         probs = torch.softmax(logits, dim=-1)
     else:
@@ -111,9 +129,6 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :k_len].contiguous()
     output = torch.matmul(probs.view(kv_heads, group * q_len, k_len), value[0])
     output = output.view(1, q_heads, q_len, value.shape[-1])
-    tail = None
-    if window > 0:
-        tail = probs[:, :, q_len - min(window, q_len):, :].sum(dim=2, dtype=torch.float32)
     return output, tail
 
 

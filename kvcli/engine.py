@@ -22,6 +22,9 @@ from kvcli.cache import KVCache, LayerView
 from kvcli.errors import UnsupportedModelError, UsageError
 from kvcli.methods.base import Method
 
+#: Sees the log-probabilities ``[rows, V]`` of scored tokens and their targets ``[rows]``, in stream order.
+LogitsHook = Callable[[torch.Tensor, torch.Tensor], None]
+
 
 @dataclass
 class BlockStats:
@@ -216,18 +219,24 @@ class Engine:
         return self.head(hidden)
 
     @torch.inference_mode()
-    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 64,
+                  on_logits: LogitsHook | None = None) -> torch.Tensor:
         """NLL (nats, float32) of ``targets[i]`` given ``hidden[i]``, projecting a few rows at a time.
 
         Chunks keep the logits small enough for the CPU's caches and never build the block's full
-        log-softmax output, which ``cross_entropy`` over the whole block would.
+        log-softmax output, which ``cross_entropy`` over the whole block would. ``on_logits`` sees
+        each chunk's log-probabilities ``[rows, V]`` (float32) and targets, in stream order
+        (``kvcli ppl --save-logits/--kl-base``).
         """
         out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
         targets = targets.to(hidden.device)
         for i in range(0, targets.shape[0], chunk):
             logits = self.head(hidden[i:i + chunk]).float()
             picked = logits.gather(1, targets[i:i + chunk, None])[:, 0]
-            out[i:i + chunk] = torch.logsumexp(logits, dim=-1) - picked
+            total = torch.logsumexp(logits, dim=-1)
+            out[i:i + chunk] = total - picked
+            if on_logits is not None:
+                on_logits(logits - total[:, None], targets[i:i + chunk])
         return out
 
     def compress(self, cache: KVCache, num_new: int, decoding: bool = False) -> None:
@@ -248,13 +257,15 @@ class Engine:
               cache: KVCache | None = None, score_from: int = 0,
               on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
               state: StreamState | None = None,
-              on_state: Callable[[StreamState], None] | None = None) -> StreamTotals:
+              on_state: Callable[[StreamState], None] | None = None,
+              on_logits: LogitsHook | None = None) -> StreamTotals:
         """Stream tokens through the model and sum the NLL of every token after the first.
 
         ``score_from`` skips scoring the first tokens (they are still read into the cache), for the
         sliding-window protocol. Ctrl-C ends the stream early with what was measured so far.
         ``state`` continues a stream from a checkpoint (``token_chunks`` then hold the tokens after
         ``state.position``); ``on_state`` sees the state after every block, for checkpoints.
+        ``on_logits`` sees the scored tokens' log-probabilities (KL against a reference).
         """
         cache = state.cache if state else (cache or self.new_cache())
         totals = state.totals if state else StreamTotals()
@@ -269,7 +280,7 @@ class Engine:
                 targets = ids[1:] if previous is None else ids
                 first = stream_pos + (1 if previous is None else 0)  # stream index of targets[0]
                 skip = max(0, min(score_from - first, targets.shape[0]))
-                nll = self.token_nll(predictors[skip:], targets[skip:]).sum()
+                nll = self.token_nll(predictors[skip:], targets[skip:], on_logits=on_logits).sum()
                 previous = hidden[-1:]
                 stream_pos += ids.shape[0]
                 scored = targets.shape[0] - skip
@@ -295,7 +306,8 @@ class Engine:
 
 
     def score_sliding(self, token_chunks: Iterable[list[int] | torch.Tensor], context: int, stride: int, *,
-                      on_block: Callable[[BlockStats, StreamTotals], None] | None = None) -> StreamTotals:
+                      on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+                      on_logits: LogitsHook | None = None) -> StreamTotals:
         """The papers' sliding-window protocol (TreeKV Table 1, Hugging Face's perplexity guide).
 
         Windows of ``context`` tokens start every ``stride`` tokens; each is streamed from an empty
@@ -318,7 +330,7 @@ class Engine:
             window = buffer[:context]
             if len(window) < 2 or (scored_end > 0 and begin + len(window) <= scored_end):
                 break
-            part = self.score([window], score_from=scored_end - begin, on_block=on_block)
+            part = self.score([window], score_from=scored_end - begin, on_block=on_block, on_logits=on_logits)
             totals.add(part)
             totals.blocks.extend(part.blocks)
             scored_end = begin + len(window)

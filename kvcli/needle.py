@@ -9,6 +9,7 @@ Every method sees the same haystacks and keys.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import time
@@ -28,6 +29,25 @@ QUESTION = "What is the pass key? Answer with the number only."
 ANSWER_PREFIX = "The pass key is "
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 DEFAULT_LENGTHS = (6000,)
+#: Haystacks per length and depth: 4 x the 5 default depths = 20 trials per method and length, enough
+#: for a 95% interval about +-20 points wide at mid rates (5 trials left it +-40 points).
+DEFAULT_TRIALS = 4
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: two-sided 95%
+
+
+def wilson_interval(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial rate (Wilson, 1927), 95% by default.
+
+    Unlike the normal approximation it stays inside [0, 1] and is not empty at 0/n or n/n, which
+    are common pass-key outcomes.
+    """
+    if trials < 1:
+        raise ValueError("an interval needs at least one trial")
+    rate = successes / trials
+    z2 = z * z
+    centre = (rate + z2 / (2 * trials)) / (1 + z2 / trials)
+    half = z / (1 + z2 / trials) * math.sqrt(rate * (1 - rate) / trials + z2 / (4 * trials * trials))
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @dataclass
@@ -51,7 +71,8 @@ class NeedleResult:
     settings: dict = field(default_factory=dict)
 
     def accuracy(self, by_depth: bool = False) -> list[dict]:
-        """Rows ``{method, length[, depth], correct, trials, accuracy}`` in the order the grid ran."""
+        """Rows ``{method, length[, depth], correct, trials, accuracy, ci95}`` in the order the grid ran
+        (``ci95``: the 95% Wilson interval ``[low, high]`` of the accuracy)."""
         groups: dict[tuple, list[Trial]] = {}
         for t in self.trials:
             key = (t.method, t.length, t.depth) if by_depth else (t.method, t.length)
@@ -62,7 +83,8 @@ class NeedleResult:
             if by_depth:
                 row["depth"] = key[2]
             correct = sum(t.correct for t in trials)
-            row.update(correct=correct, trials=len(trials), accuracy=correct / len(trials))
+            low, high = wilson_interval(correct, len(trials))
+            row.update(correct=correct, trials=len(trials), accuracy=correct / len(trials), ci95=[low, high])
             rows.append(row)
         return rows
 
@@ -110,7 +132,8 @@ def excerpt_offset(total: int, length: int, trial: int) -> int:
 
 
 def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
-             lengths: Iterable[int] = DEFAULT_LENGTHS, depths: Iterable[float] = DEFAULT_DEPTHS, trials: int = 1,
+             lengths: Iterable[int] = DEFAULT_LENGTHS, depths: Iterable[float] = DEFAULT_DEPTHS,
+             trials: int = DEFAULT_TRIALS,
              budget: int = 1024, block: int = 256, seed: int = 0, max_new_tokens: int = 12,
              one_shot: bool | None = None, probe: bool = True, options: dict[str, dict] | None = None,
              answer_prefix: str = ANSWER_PREFIX, warn: Callable[[str], None] | None = None,

@@ -17,7 +17,7 @@ import torch
 from kvcli.checkpoint import Checkpointer, skip_tokens
 from kvcli.corpus import run_corpus
 from kvcli.distributed import Ranks
-from kvcli.engine import BlockStats, Engine, StreamTotals, kv_bytes_per_token
+from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals, kv_bytes_per_token
 from kvcli.errors import UsageError
 from kvcli.models import LoadedModel
 from kvcli.report import peak_memory_bytes, reset_peak_memory
@@ -75,6 +75,7 @@ def evaluate(
     ranks: Ranks | None = None,
     on_document: Callable[[int, Document], None] | None = None,
     checkpoint: Checkpointer | None = None,
+    on_logits: LogitsHook | None = None,
 ) -> tuple[StreamTotals, list[dict], int, dict | None]:
     """Score ``documents``; return the totals, one row per document (unless streamed), peak memory and,
     for documents scored one by one, the job's throughput.
@@ -83,7 +84,9 @@ def evaluate(
     ``rows_path`` as they finish, ``resume`` skips those already there, and under several ``ranks``
     rank 0 gets every row and the totals, summed in document order as one process sums them.
     A ``checkpoint`` saves one stream (``stream`` or a single document) as it goes, and continues the
-    saved one when ``resume`` is set.
+    saved one when ``resume`` is set. ``on_logits`` sees every scored token's log-probabilities in
+    stream order, documents one after the other (see :mod:`kvcli.kl`); it needs one process reading
+    every document (no ``resume``, one rank).
     """
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
@@ -94,7 +97,7 @@ def evaluate(
     def run(chunks: Iterable[TokenChunk], limit: int | None) -> StreamTotals:
         feed = TokenFeed(chunks, tokenizer, limit)
         if context is not None:
-            totals = engine.score_sliding(feed, context, stride or context, on_block=on_block)
+            totals = engine.score_sliding(feed, context, stride or context, on_block=on_block, on_logits=on_logits)
         elif checkpoint is not None:
             state = checkpoint.load(engine) if resume else None
             tokens = skip_tokens(feed, state.position) if state else feed
@@ -102,7 +105,7 @@ def evaluate(
             if not totals.interrupted:
                 checkpoint.finish()
         else:
-            totals = engine.score(feed, on_block=on_block)
+            totals = engine.score(feed, on_block=on_block, on_logits=on_logits)
         totals.num_bytes = feed.num_bytes
         return totals
 

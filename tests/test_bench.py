@@ -45,6 +45,11 @@ def test_grid_writes_results_table_and_plots(invoke, tiny_model_dir, alice, tmp_
         if run["cache"] is not None:
             assert run["max_cache_tokens"] <= run["cache"] and run["kv_cache_bytes"] < run["full_kv_cache_bytes"]
     assert runs[0]["kv_cache_bytes"] == runs[0]["full_kv_cache_bytes"]
+    # KL against the one full-attention reference beside results.json: full matches it exactly
+    assert (out / "reference.kvlogits").is_file()
+    assert runs[0]["kl_mean"] == 0.0 and runs[0]["same_top"] == 1.0 and runs[0]["kl_tokens"] == 200
+    assert all(run["kl_mean"] > 0 and run["kl_p99"] >= run["kl_mean"] for run in runs[1:])
+    assert "KL vs full" in result.stdout and "same top" in result.stdout
     if have_matplotlib():
         for name in ("ppl_vs_cache.png", "nll_vs_position.png"):
             assert (out / name).read_bytes()[:4] == b"\x89PNG"
@@ -70,6 +75,14 @@ def test_rerun_skips_finished_runs_without_measuring(invoke, tiny_model_dir, ali
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert rows[0].split("|")[1].strip() == "method" and set(rows[1]) <= set("|-: ")
     assert len(rows) == 2 + 5 and rows[2].split("|")[1].strip() == "full"
+
+
+def test_no_kl_runs_no_reference(invoke, tiny_model_dir, alice, tmp_path):
+    out = tmp_path / "out"
+    result = invoke("bench", alice, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "48",
+                    "--block", "16", "--max-tokens", "64", "--out", str(out), "--json", "--no-plot", "--no-kl")
+    assert result.exit_code == 0 and not (out / "reference.kvlogits").exists()
+    assert "kl_mean" not in json.loads(result.stdout)["runs"][0]
 
 
 def test_json_stdout_is_one_object(invoke, tiny_model_dir, alice, tmp_path):

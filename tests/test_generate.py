@@ -305,3 +305,14 @@ def test_answer_prefix_ends_where_the_key_starts_in_the_needle(smollm):
     assert starts, "the key must start a token of the needle"
     suffix = build_prompt(tokenizer, question_instruction(QUESTION, ANSWER_PREFIX)).suffix
     assert suffix[-2:] == needle[starts[0] - 2:starts[0]]
+
+
+def test_wilson_interval_matches_known_values():
+    """Reference values: Newcombe (1998), Table I, and Brown, Cai and DasGupta (2001), 95% Wilson intervals."""
+    from kvcli.needle import wilson_interval
+
+    cases = {(81, 263): (0.2553, 0.3662), (15, 148): (0.0624, 0.1605), (0, 20): (0.0, 0.1611),
+             (1, 29): (0.0061, 0.1718), (20, 20): (0.8389, 1.0), (10, 20): (0.2993, 0.7007)}
+    for (successes, trials), (low, high) in cases.items():
+        got = wilson_interval(successes, trials)
+        assert got == pytest.approx((low, high), abs=1e-4), (successes, trials)

@@ -25,6 +25,12 @@ from kvcli.methods.base import select_top
 STEPS = [24, 8, 8, 1, 1, 1, 8, 1, 1, 12, 1]  # one-shot prefill, blocks, decoding steps
 
 
+def paper_recent(budget: int, sinks: int) -> int:
+    """TreeKV's experiments: of 1,024 tokens, 4 sinks, 508 recent, 512 (half the cache) selected."""
+    selected = budget // 2
+    return max(budget - sinks - selected, 0)
+
+
 def window_probs(gen: torch.Generator, heads: int, group: int, length: int, num_new: int, window: int):
     """Attention ``[H, G, w, T]`` of the last ``w`` queries of a block of ``num_new`` tokens (causal)."""
     w = min(window, num_new)
@@ -123,7 +129,7 @@ class H2ORef(Reference):
             if length <= budget:
                 out.append(list(positions))
                 continue
-            recent = (budget - self.sinks) // 2 if self.recent is None else self.recent
+            recent = paper_recent(budget, self.sinks) if self.recent is None else self.recent
             protected = self.protected(length, self.sinks, recent)
             slots = self.pick([score[p] for p in positions], protected, budget)
             out.append(list(self.keep(layer, h, slots)))
@@ -141,7 +147,7 @@ class TOVARef(Reference):
             return [list(p) for p in self.pos[layer]]
         rows = [attn[h][g][-1] for h in range(self.heads) for g in range(len(attn[h]))]  # the last query
         scores = [sum(row[slot] for row in rows) / len(rows) for slot in range(length)]
-        recent = (budget - self.sinks) // 2 if self.recent is None else self.recent
+        recent = paper_recent(budget, self.sinks) if self.recent is None else self.recent
         slots = self.pick(scores, self.protected(length, self.sinks, recent), budget)
         return [list(self.keep(layer, h, slots)) for h in range(self.heads)]
 
@@ -274,7 +280,7 @@ def test_pyramidinfer_keeps_a_decaying_fraction(options, cache):
     budgets = method.layer_budgets(cache, 3)
     assert sum(budgets) == 3 * cache and budgets == sorted(budgets, reverse=True)
     m = method
-    recent = (cache - m.sinks) // 2 if m.recent is None else m.recent
+    recent = paper_recent(cache, m.sinks) if m.recent is None else m.recent
     reference = PyramidInferRef(3, 2, m.window, m.gamma, m.p, m.decay, m.min_len, m.sinks, recent)
     drive(method, reference, budgets, window_of=lambda n: m.window)
     # Retention decays with depth: at the end every layer holds at most its budget and the
@@ -330,7 +336,7 @@ def test_pyramidkv_budgets_by_hand():
 def test_pyramidinfer_budget_sequence(decay, layers, cache):
     method = make_method("pyramidinfer", {"decay": decay})
     budgets = method.layer_budgets(cache, layers)
-    kept = 4 + (cache - 4) // 2
+    kept = 4 + paper_recent(cache, 4)
     selected = cache - kept
     norm = sum(Fraction(decay) ** i for i in range(layers))
     reals = [kept + selected * layers * Fraction(decay) ** i / norm for i in range(layers)]
@@ -369,6 +375,25 @@ def test_engine_stays_within_every_layer_budget(tiny, name, block):
     for seen in lengths:
         assert all(length <= budget for length, budget in zip(seen, engine.budgets, strict=True))
     assert max(lengths[-1]) > 0 and math.isfinite(totals.nll)
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "treekv", "snapkv", "pyramidkv", "h2o", "tova", "pyramidinfer"])
+def test_a_reused_method_instance_keeps_no_state_of_its_own(tiny, name):
+    """Per-stream state lives in the cache, never on the method: an instance that has already run a
+    stream at another budget keeps exactly the tokens a fresh instance keeps."""
+    from kvcli.engine import Engine
+
+    ids = torch.randint(0, 128, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def run(method, budget):
+        engine = Engine(tiny, method, budget, 16)
+        cache = engine.new_cache()
+        totals = engine.score([ids], cache=cache)
+        return totals.nll_sum, [layer.token_idx.tolist() for layer in cache.layers]
+
+    used = make_method(name)
+    run(used, 80)
+    assert run(used, 40) == run(make_method(name), 40)
 
 
 # --- validation and helpers ------------------------------------------------------------------------------

@@ -161,11 +161,14 @@ def test_needle_grid_json_and_table(invoke, tiny_model_dir, tmp_path):
     assert {t["depth"] for t in data["trials"]} == {0.25, 0.75}
     assert [(r["method"], r["trials"]) for r in data["accuracy"]] == [(m, 4) for m in methods.split(",")]
     assert len(data["by_depth"]) == 4 and all(0 <= r["accuracy"] <= 1 for r in data["by_depth"])
+    for row in data["accuracy"] + data["by_depth"]:  # each rate inside its 95% Wilson interval
+        low, high = row["ci95"]
+        assert 0 <= low <= row["accuracy"] <= high <= 1 and high - low > 0.2
     # every method saw the same keys
     keys = {m: [t["key"] for t in data["trials"] if t["method"] == m] for m in methods.split(",")}
     assert len({tuple(k) for k in keys.values()}) == 1
     table = invoke(*common[:-1], "1").stdout
-    assert "pass-key accuracy" in table and "by depth" in table and "300 tokens" in table
+    assert "pass-key accuracy" in table and "by depth" in table and "300 tokens" in table and "95% CI" in table
 
 
 def test_needle_method_options(invoke, tiny_model_dir, tmp_path):

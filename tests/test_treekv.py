@@ -325,7 +325,7 @@ def test_pair_rule_ties_evict_the_left_item():
 
 
 def test_validate():
-    make_method("treekv").validate(9)  # 4 sinks + 2 recent + 3 selected
+    make_method("treekv").validate(9)  # 4 sinks + 1 recent + 4 selected (half the cache)
     with pytest.raises(UsageError):
         make_method("treekv").validate(4)
     with pytest.raises(UsageError):
@@ -334,8 +334,8 @@ def test_validate():
     with pytest.raises(UsageError):
         make_method("treekv", {"recent": "8", "tree_block": "4"}).validate(15)
     with pytest.raises(UsageError):
-        make_method("treekv", {"tree_block": "16"}).validate(34)  # selected = ceil(30 / 2) = 15 < 16
-    make_method("treekv", {"tree_block": "16"}).validate(35)
+        make_method("treekv", {"tree_block": "16"}).validate(31)  # selected = 31 // 2 = 15 < 16
+    make_method("treekv", {"tree_block": "16"}).validate(32)
     with pytest.raises(UsageError):
         make_method("treekv", {"window": "0"}).validate(100)
 
@@ -361,3 +361,34 @@ def test_real_engine_stays_within_budget(model, block, options):
     layer = cache.layers[0]
     assert layer.state["treekv_s"].shape == layer.token_idx.shape == (2, budget)
     assert (layer.token_idx.diff(dim=1) > 0).all()  # kept in stream order, no duplicates
+
+
+def test_default_split_at_cache_1024_keeps_508_recent_tokens():
+    """`kvcli ppl --method treekv --cache 1024` is the paper's 4 + 508 + 512 (section 5.1).
+
+    Older tokens get more attention here, so every pair comparison evicts its right (newer) token;
+    the sweep then reaches the region's right end on the 512th decoded token (the tree region's
+    capacity) and evicts the token that has just left the recent window: the 509th newest, never
+    one of the 508 newest.
+    """
+    method, budget = make_method("treekv"), 1024
+    method.validate(budget)
+    cache = make_cache(num_layers=1, kv_heads=HEADS)
+
+    def step(count: int) -> None:
+        append_tokens(cache, count)
+        stream = cache.layers[0].token_idx.float()  # [H, T] stream positions
+        probs = (1.0 / (1.0 + stream))[:, None, :].expand(HEADS, GROUP, stream.shape[1]).contiguous()
+        compress_step(cache, method, budget, count, [probs], window=1)
+
+    step(budget)
+    evicted = []
+    for _ in range(512):
+        before = set(kept_positions(cache)[0])
+        step(1)
+        newest = cache.stream_start - 1
+        kept = kept_positions(cache)
+        assert all(set(range(newest - 507, newest + 1)) <= set(head) for head in kept)
+        evicted.append(sorted((before | {newest}) - set(kept[0])))
+    assert evicted[-1] == [cache.stream_start - 1 - 508]  # the 509th newest token
+    assert Split.of(budget, 4, None) == Split(4, 508, 512)

@@ -18,8 +18,9 @@ import torch
 
 from kvcli import __version__
 from kvcli.bench.results import load_results, run_key, save_results
-from kvcli.engine import BlockStats, Engine, StreamTotals
+from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals
 from kvcli.errors import KvcliError, UsageError
+from kvcli.kl import KLMeter, LogitsWriter, Reference, token_digest
 from kvcli.methods import METHODS, Method, make_method
 from kvcli.models import LoadedModel
 from kvcli.perplexity import PerplexityRun
@@ -27,6 +28,8 @@ from kvcli.report import peak_memory_bytes, reset_peak_memory
 from kvcli.text import Document, first_tokens
 
 DEFAULT_MAX_TOKENS = 8192
+#: The full-attention reference every run's KL divergence is measured against, kept beside results.json.
+REFERENCE_FILE = "reference.kvlogits"
 
 
 @dataclass
@@ -120,7 +123,8 @@ class GridResult:
 
 def measure(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: int, *,
             on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
-            warn: Callable[[str], None] | None = None) -> tuple[StreamTotals, int]:
+            warn: Callable[[str], None] | None = None,
+            on_logits: LogitsHook | None = None) -> tuple[StreamTotals, int]:
     """Score the stream once with ``spec``; return the totals and the peak memory of this run alone.
 
     The peak is reset first (CUDA's max allocated; on Linux CPUs the resident-set high-water mark via
@@ -132,9 +136,37 @@ def measure(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: int,
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
         torch.cuda.synchronize(loaded.device)
-    totals = engine.score([stream.ids], on_block=on_block)
+    totals = engine.score([stream.ids], on_block=on_block, on_logits=on_logits)
     totals.num_bytes = stream.num_bytes
     return totals, peak_memory_bytes(loaded.device)
+
+
+def ensure_reference(loaded: LoadedModel, stream: TokenStream, block: int, path: Path) -> bool:
+    """Score the stream once with ``full`` into ``path`` unless a reference of these tokens is there.
+
+    Returns False when Ctrl-C stopped it (the partial file is removed). Every cell's KL divergence
+    is measured against this one run, so the grid pays for full attention once.
+    """
+    if path.exists():
+        try:
+            ref = Reference(path)
+            ref.close()
+            if (ref.model, ref.tokens, ref.sha256) == (loaded.name, stream.tokens, token_digest(stream.ids[1:])):
+                return True
+        except KvcliError:
+            pass  # a file from another stream or a cut-off run: measured again
+    writer = LogitsWriter(path, loaded.name, int(loaded.model.config.vocab_size))
+    engine = Engine(loaded.model, make_method("full"), None, block=block, warn=lambda message: None)
+    try:
+        totals = engine.score([stream.ids], on_logits=writer.add)
+    except BaseException:
+        writer.abort()
+        raise
+    if totals.interrupted:
+        writer.abort()
+        return False
+    writer.close()
+    return True
 
 
 def run_record(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: int, totals: StreamTotals,
@@ -169,8 +201,15 @@ def run_grid(
     on_run: Callable[[dict, int, int], None] | None = None,
     on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
     warn: Callable[[str], None] | None = None,
+    kl: bool = True,
+    on_reference: Callable[[], None] | None = None,
 ) -> GridResult:
     """Run every spec not already in ``out_dir/results.json``, saving after each one.
+
+    With ``kl`` every measured run also records its KL divergence from a full-attention run of the
+    same tokens (``kl_mean``, ``kl_p99``, ``same_top``; :mod:`kvcli.kl`), saved once as
+    :data:`REFERENCE_FILE` in ``out_dir`` (``on_reference`` is called before it is measured).
+    Tokens/s then include the comparison.
 
     Runs are matched on :data:`KEY_FIELDS`; runs in the file that match nothing planned (another
     model, source or length) are kept as they are. ``warm_up`` first scores two blocks untimed, so
@@ -194,16 +233,32 @@ def run_grid(
         if pending and warm_up:
             warm = Engine(loaded.model, pending[0].build(), pending[0].budget, block=block, warn=lambda message: None)
             interrupted = warm.score([stream.ids[: 2 * block + 1]]).interrupted
+        reference = out_dir / REFERENCE_FILE
+        if pending and kl and not interrupted:
+            if on_reference:
+                on_reference()
+            out_dir.mkdir(parents=True, exist_ok=True)
+            interrupted = not ensure_reference(loaded, stream, block, reference)
         for index, spec in enumerate(pending):
             if interrupted:
                 break
             if on_start:
                 on_start(spec, index, len(pending))
-            totals, peak = measure(loaded, stream, spec, block, on_block=on_block, warn=warn)
+            meter = KLMeter(Reference(reference)) if kl else None
+            try:
+                totals, peak = measure(loaded, stream, spec, block, on_block=on_block, warn=warn,
+                                       on_logits=meter.add if meter else None)
+            finally:
+                if meter:
+                    meter.reference.close()
             if totals.interrupted:
                 interrupted = True
                 break
             record = run_record(loaded, stream, spec, block, totals, peak)
+            if meter:
+                divergence = meter.finish().as_dict()
+                divergence.pop("kl_base")  # always REFERENCE_FILE beside results.json
+                record.update(divergence)
             key = run_key(record)
             results.update(head, updated=now())
             results["runs"] = [run for run in results["runs"] if run_key(run) != key] + [record]

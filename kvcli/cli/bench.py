@@ -43,6 +43,9 @@ def bench(
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw ppl_vs_cache.png and nll_vs_position.png "
                                        "(needs matplotlib).")] = True,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown (for docs).")] = False,
+    kl: Annotated[bool, typer.Option("--kl/--no-kl", help="Run full attention once as a reference and give "
+                                     "every run its KL divergence from it (mean, 99th percentile, same top "
+                                     "token); tokens/s include the comparison.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object {runs: [...], ...} instead of "
                                            "the table.")] = False,
     data_dir: DataDirOpt = None,
@@ -86,7 +89,8 @@ def bench(
 
     with progress.running():
         grid = run_grid(loaded, stream, specs, block=block_size, out_dir=out, on_block=on_block, warn=setup.say,
-                        on_skip=on_skip, on_start=on_start, on_run=on_run)
+                        on_skip=on_skip, on_start=on_start, on_run=on_run, kl=kl,
+                        on_reference=lambda: setup.note("KL reference: full attention, reference.kvlogits"))
     if json_out:
         print_result(dumps(bench_json(grid, out, _plots(grid, out, plot, setup))))
     else:

@@ -71,11 +71,20 @@ def ppl(
                                                   "10m, 1h) between checkpoints.")] = "10m",
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run: skip the documents already in "
                                          "--rows, or continue the stream saved in --checkpoint.")] = False,
+    save_logits: Annotated[Path | None, typer.Option("--save-logits", help="Save every scored token's top-k "
+                                                     "log-probabilities to this file as it streams: the "
+                                                     "reference for --kl-base.")] = None,
+    kl_base: Annotated[Path | None, typer.Option("--kl-base", help="Compare with a reference saved by "
+                                                 "--save-logits over the same tokens: mean and 99th percentile "
+                                                 "KL divergence, same top token %.")] = None,
+    logits_top_k: Annotated[int | None, typer.Option("--logits-top-k", help="Tokens per position --save-logits "
+                                                     "keeps; the others are one bucket (default 32).")] = None,
     *,
     setup: Setup,
 ) -> None:
     """Streaming perplexity of SOURCE under a fixed-size KV cache, with memory reported."""
     from kvcli.cli.render import ppl_summary
+    from kvcli.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter, Reference
     from kvcli.methods import make_method
     from kvcli.outputs import check_output, open_output
     from kvcli.perplexity import PerplexityRun, evaluate
@@ -99,20 +108,34 @@ def ppl(
                          "choose one")
     if checkpoint is not None and resume and jsonl is not None:
         raise UsageError("--jsonl cannot continue the per-block curve of a resumed stream: leave it out")
+    if logits_top_k is not None and save_logits is None:
+        raise UsageError("--logits-top-k goes with --save-logits")
+    if save_logits is not None and kl_base is not None and save_logits.resolve() == kl_base.resolve():
+        raise UsageError("--save-logits would overwrite the --kl-base reference: give another file")
+    if (save_logits is not None or kl_base is not None) and (resume or checkpoint is not None):
+        raise UsageError("--save-logits and --kl-base follow one uninterrupted run token by token: leave out "
+                         "--resume and --checkpoint")
     from kvcli.checkpoint import Checkpointer, identity, parse_every
 
     every_tokens, every_seconds = parse_every(checkpoint_every)
     ranks, setup = join_ranks(setup)
-    if ranks.distributed and (stream or max_tokens is not None or checkpoint is not None):
-        flag = "--stream" if stream else "--max-tokens" if max_tokens is not None else "--checkpoint"
+    if ranks.distributed and (stream or max_tokens is not None or checkpoint is not None
+                              or save_logits is not None or kl_base is not None):
+        flag = ("--stream" if stream else "--max-tokens" if max_tokens is not None else
+                "--checkpoint" if checkpoint is not None else "--save-logits/--kl-base")
         raise UsageError(f"{flag} needs one process: several ranks share whole documents")
     nbytes = parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None
     method_obj = build_method(method, option, cache) if nbytes is None else make_method(method, parse_options(option))
-    for path, flag in ((jsonl, "--jsonl"), (rows, "--rows")):
+    for path, flag in ((jsonl, "--jsonl"), (rows, "--rows"), (save_logits, "--save-logits")):
         if path is not None:
             check_output(path, flag)
     if checkpoint is not None:
         check_output(checkpoint, "--checkpoint", folder=True)
+    reference = Reference(kl_base) if kl_base is not None else None
+    if reference is not None:
+        if max_tokens is not None and max_tokens > reference.tokens:
+            raise UsageError(f"--max-tokens {max_tokens:,} is more than the {reference.tokens:,} tokens of {kl_base}")
+        max_tokens = max_tokens or reference.tokens  # the reference's tokens unless fewer are asked for
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
     if nbytes is not None:
@@ -120,6 +143,17 @@ def ppl(
     engine = setup.build_engine(loaded, method_obj, cache, block_size)
     saver = None if checkpoint is None else Checkpointer(checkpoint, identity(loaded, engine, documents),
                                                          every_tokens, every_seconds)
+    vocab = int(loaded.model.config.vocab_size)
+    meter = None
+    if reference is not None:
+        reference.check_model(loaded.name, vocab)
+        meter = KLMeter(reference)
+    writer = LogitsWriter(save_logits, loaded.name, vocab, logits_top_k or DEFAULT_TOP_K) if save_logits else None
+    hooks = [hook.add for hook in (writer, meter) if hook is not None]
+
+    def on_logits(logprobs, targets) -> None:
+        for hook in hooks:
+            hook(logprobs, targets)
 
     progress = StreamProgress(max_tokens, loaded.device, enabled=not setup.quiet and ranks.main)
     label: list[str] = []  # the document being scored, shown on the progress line
@@ -137,15 +171,22 @@ def ppl(
         progress.update(totals.processed, stats.tokens_per_second, totals.ppl, stats.cache_tokens,
                         label[0] if label else None)
 
+    finished = False
     try:
         with progress.running():
             totals, doc_rows, peak, job = evaluate(loaded, documents, engine, max_tokens=max_tokens, stream=stream,
                                                    context=context, stride=stride, on_block=on_block,
                                                    rows_path=rows, resume=resume, ranks=ranks,
-                                                   on_document=on_document, checkpoint=saver)
+                                                   on_document=on_document, checkpoint=saver,
+                                                   on_logits=on_logits if hooks else None)
+        finished = True
     finally:
         if jsonl_file:
             jsonl_file.close()
+        if writer is not None:
+            writer.close(totals.interrupted) if finished else writer.abort()
+        if reference is not None:
+            reference.close()
         ranks.close()
     if not ranks.main:  # rank 0 prints the whole job's result
         return
@@ -154,6 +195,10 @@ def ppl(
     protocol = "sliding" if context is not None else ("stream" if stream else "documents")
     result = PerplexityRun(loaded, method, method_obj.settings(), engine.budget, engine.block, protocol, totals,
                            doc_rows, peak, job).as_dict()
+    if meter is not None:
+        result.update(meter.finish(totals.interrupted).as_dict())
+    if writer is not None:
+        result["saved_logits"] = str(save_logits)
     print_result(dumps(result) if json_out else ppl_summary(result))
     if totals.interrupted:
         raise typer.Exit(130)

@@ -17,8 +17,8 @@ from rich.table import Table
 from kvcli.report import mib
 
 
-def _console(buffer: io.StringIO) -> Console:
-    return Console(file=buffer, width=120, force_terminal=False, color_system=None, highlight=False)
+def _console(buffer: io.StringIO, width: int = 120) -> Console:
+    return Console(file=buffer, width=width, force_terminal=False, color_system=None, highlight=False)
 
 
 def ppl_summary(result: dict) -> str:
@@ -43,6 +43,12 @@ def ppl_summary(result: dict) -> str:
         lines.append(f"job: {job['documents']:,} documents{resumed} on {job['ranks']} rank"
                      f"{'s' if job['ranks'] > 1 else ''} in {job['seconds']:.1f} s · "
                      f"{job['documents_per_second']:.3f} documents/s · {job['tokens_per_second']:,.0f} tokens/s")
+    if "kl_mean" in result:
+        lines.append(f"KL divergence vs {Path(result['kl_base']).name}: mean {result['kl_mean']:.4f} nats/token, "
+                     f"99th percentile {result['kl_p99']:.4f} · same top token {result['same_top']:.1%} over "
+                     f"{result['kl_tokens']:,} tokens")
+    if "saved_logits" in result:
+        lines.append(f"reference saved to {result['saved_logits']}")
     for row in result.get("documents", []):
         lines.append(f"  {row['name']}: ppl {row['ppl']:.3f} over {row['tokens']:,} tokens")
     return "\n".join(lines)
@@ -107,7 +113,8 @@ def reading_summary(gen, loaded, method: str, budget: int | None, block: int, pe
 
 
 def needle_tables(result, model_name: str) -> str:
-    """The grid as two Rich tables rendered to text: accuracy per method x length, then per depth."""
+    """The grid as two Rich tables rendered to text: accuracy per method x length, then per depth, each
+    rate with its 95% Wilson interval."""
     buffer = io.StringIO()
     console = _console(buffer)
     settings = result.settings
@@ -141,14 +148,15 @@ def needle_tables(result, model_name: str) -> str:
 def _fmt(row: dict | None) -> str:
     if row is None:
         return "-"
-    return f"{row['accuracy']:.0%} ({row['correct']}/{row['trials']})"
+    low, high = row["ci95"]
+    return f"{row['accuracy']:.0%} ({row['correct']}/{row['trials']}, 95% CI {low:.0%}-{high:.0%})"
 
 
 def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, markdown: bool = False) -> str:
     """The grid's runs as a Rich table rendered to plain text (what the text mode prints on stdout);
     ``markdown`` draws it as a Markdown table under its caption, ready to paste into docs."""
     buffer = io.StringIO()
-    console = _console(buffer)
+    console = _console(buffer, width=160)  # the KL columns do not fit in 120 without wrapping headers
     full = next((run for run in runs if run["cache"] is None), None)
     source = Path(settings["source"]).name or settings["source"]
     uncompressed = runs[0]["full_kv_cache_bytes"] if runs else 0
@@ -166,6 +174,11 @@ def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, mar
     if full is not None:
         table.add_column("vs full", justify="right")
     table.add_column("bits/byte", justify="right")
+    kl = any("kl_mean" in run for run in runs)
+    if kl:
+        table.add_column("KL vs full", justify="right")
+        table.add_column("KL p99", justify="right")
+        table.add_column("same top", justify="right")
     table.add_column("tokens/s", justify="right")
     table.add_column("KV cache", justify="right")
     table.add_column("peak memory", justify="right")
@@ -174,7 +187,11 @@ def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, mar
         if full is not None:
             cells.append("-" if run is full else f"{run['ppl'] / full['ppl'] - 1:+.1%}")
         share = run["kv_cache_bytes"] / run["full_kv_cache_bytes"] if run["full_kv_cache_bytes"] else float("nan")
-        cells += [f"{run['bits_per_byte']:.4f}", f"{run['tokens_per_second']:,.0f}",
+        cells.append(f"{run['bits_per_byte']:.4f}")
+        if kl:
+            cells += ([f"{run['kl_mean']:.4f}", f"{run['kl_p99']:.4f}", f"{run['same_top']:.1%}"]
+                      if "kl_mean" in run else ["-"] * 3)
+        cells += [f"{run['tokens_per_second']:,.0f}",
                   f"{mib(run['kv_cache_bytes'])} ({share:.0%})", mib(run["peak_memory_bytes"])]
         table.add_row(*cells)
     if not runs:

@@ -164,12 +164,19 @@ def check_budget(budget: int, always_kept: int, what: str) -> None:
         raise BudgetError(budget, always_kept, what)
 
 
+#: Help of the ``recent`` parameter of the methods that follow :class:`Split` by default.
+AUTO_RECENT_HELP = "most recent tokens always kept (auto: cache - sinks - cache // 2; 4 + 508 + 512 at 1024)"
+
+
 @dataclass
 class Split:
     """The budget split the papers compare methods under: sinks + recent window + selected tokens.
 
-    TreeKV's experiments at cache 1024 use 4 + 508 + 512; ``recent=None`` reproduces that ratio
-    (half of what the sinks leave) at any budget.
+    TreeKV's experiments (section 5.1) keep, of a 1k cache, "4 initial tokens, 508 recent tokens,
+    and 512 method-selected tokens" for TreeKV, H2O and TOVA alike: the selected part is half the
+    cache and the recent window is what the sinks leave of the other half. ``recent=None`` applies
+    that rule at any budget (256 = 4 + 124 + 128); H2O's own paper splits heavy hitters and recent
+    tokens 50/50, which the same rule matches.
     """
 
     sinks: int
@@ -178,7 +185,9 @@ class Split:
 
     @classmethod
     def of(cls, budget: int, sinks: int, recent: int | None) -> Split:
-        recent = (budget - sinks) // 2 if recent is None else recent
+        if recent is None:
+            # Half the cache is selected; when the sinks eat into that half, the window gives way first.
+            recent = max(budget - sinks - budget // 2, 0)
         return cls(sinks, recent, budget - sinks - recent)
 
 

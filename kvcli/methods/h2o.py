@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcli.cache import LayerView
-from kvcli.methods.base import ScoredMethod, group_mean, param
+from kvcli.methods.base import AUTO_RECENT_HELP, ScoredMethod, group_mean, param
 from kvcli.methods.registry import register
 
 STATE = "h2o"
@@ -27,7 +27,7 @@ class H2O(ScoredMethod):
     description = ("Heavy hitters: keep the tokens with the largest attention accumulated over every "
                    "query so far (per KV head), plus sinks and the recent window.")
     sinks: int = param(4, "initial tokens always kept (attention sinks)")
-    recent: int | None = param(None, "most recent tokens always kept (auto: half of what the sinks leave)")
+    recent: int | None = param(None, AUTO_RECENT_HELP)
 
     def score_window(self, block_len: int) -> int:
         return block_len  # every query of the block adds to the accumulated scores

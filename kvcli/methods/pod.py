@@ -25,6 +25,7 @@ from kvcli.pod.groups import GroupsFile, resolve
 
 #: Selection methods PoD can run on the distant region: they choose per KV head with a uniform budget.
 SELECTORS = ("streamingllm", "snapkv", "treekv", "h2o", "tova")
+CHOSEN = "pod_chosen"  # in each layer's method state: the selection's choice for that layer this block
 
 
 @register
@@ -70,7 +71,6 @@ class PoD(Method):
             self.inner = make_method(self.select, options)
         # Without a selection PoD keeps every token and takes no budget (like full).
         self.unbounded = self.inner is None
-        self._chosen: dict[int, torch.Tensor | None] = {}
 
     def validate(self, budget: int) -> None:
         if self.inner is not None:
@@ -97,12 +97,12 @@ class PoD(Method):
         """
         if self.inner is None:
             return None
-        layer = view.layer_idx
-        if layer == 0:
-            self._chosen = {}
-        self._chosen[layer] = self.inner.compress(view, budget)
-        leads = view.layer.owner.plan.leads[:, layer].tolist()
-        rows = [self._chosen[lead] for lead in leads]
+        # Each layer's own choice waits in its method state (per stream, never on the method): a
+        # lead is the lowest layer of its block, so it has chosen before any layer that follows it.
+        view.method_state[CHOSEN] = self.inner.compress(view, budget)
+        owner = view.layer.owner
+        leads = owner.plan.leads[:, view.layer_idx].tolist()
+        rows = [owner.layers[lead].method_state[CHOSEN] for lead in leads]
         if all(row is None for row in rows):
             return None
         if any(row is None for row in rows):

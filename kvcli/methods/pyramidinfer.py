@@ -47,7 +47,7 @@ import torch
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import ScoredMethod, Split, check_split, group_mean, param
+from kvcli.methods.base import AUTO_RECENT_HELP, ScoredMethod, Split, check_split, group_mean, param
 from kvcli.methods.pyramidkv import apportion
 from kvcli.methods.registry import register
 
@@ -82,7 +82,7 @@ class PyramidInfer(ScoredMethod):
     decay: float = param(0.95, "per-layer ratio of both the retained fraction and the budget")
     min_len: int = param(64, "min PvC length N_l: selected tokens a layer always keeps (budget allowing)")
     sinks: int = param(4, "initial tokens always kept (attention sinks)")
-    recent: int | None = param(None, "most recent tokens always kept (auto: half of what sinks leave)")
+    recent: int | None = param(None, AUTO_RECENT_HELP)
 
     def score_window(self, block_len: int) -> int:
         return min(self.window, block_len)

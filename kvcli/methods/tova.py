@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcli.cache import LayerView
-from kvcli.methods.base import ScoredMethod, param
+from kvcli.methods.base import AUTO_RECENT_HELP, ScoredMethod, param
 from kvcli.methods.registry import register
 
 
@@ -26,7 +26,7 @@ class TOVA(ScoredMethod):
     description = ("Keep the tokens the last query attends to most, averaged over all heads of the layer "
                    "(one choice per layer), plus sinks and the recent window.")
     sinks: int = param(4, "initial tokens always kept (0 with recent=0: the original TOVA)")
-    recent: int | None = param(None, "most recent tokens always kept (auto: half of what the sinks leave)")
+    recent: int | None = param(None, AUTO_RECENT_HELP)
 
     def score_window(self, block_len: int) -> int:
         return 1

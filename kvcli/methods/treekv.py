@@ -80,8 +80,8 @@ class TreeKV(Method):
     description = ("Sinks + recent window + a tree region thinned by pairwise eviction of the lower averaged "
                    "attention, the pair sweeping from old to new (TreeKV, Algorithm 1).")
     sinks: int = param(4, "initial tokens always kept (attention sinks)")
-    recent: int | None = param(None, "most recent tokens always kept; None = (cache - sinks) // 2, "
-                                     "as the paper's 4 + 508 + 512 at cache 1024")
+    recent: int | None = param(None, "most recent tokens always kept; None = what the sinks leave of half the "
+                                     "cache (the paper's 4 + 508 + 512 at cache 1024)")
     tree_block: int = param(0, "tokens per eviction unit in the tree region; 0 = auto: 16 when a "
                                "prompt is prefilled in one call (section 4.2), 1 when streaming or decoding")
     window: int = param(32, "last queries of each block whose attention is accumulated (capped by the block)")
@@ -96,8 +96,8 @@ class TreeKV(Method):
             raise UsageError("treekv: window must be at least 1")
         need = max(1, self.tree_block)
         what = f"sinks ({self.sinks}) + recent + {need} selected token{'s' if need > 1 else ''}"
-        if self.recent is None:  # selected = ceil((cache - sinks) / 2) must reach `need`
-            check_budget(budget, self.sinks + 2 * need - 1, what + " (recent = auto)")
+        if self.recent is None:  # selected = min(cache // 2, cache - sinks) must reach `need`
+            check_budget(budget, max(2 * need, self.sinks + need), what + " (recent = auto)")
         else:
             check_budget(budget, self.sinks + self.recent + need, what)
 
