@@ -209,8 +209,8 @@ def kvcli_attention(
         if layer.record is None:
             layer.record = AttentionRecord(probs, window)
         else:  # a probe forward (query-aware scoring) adds its queries to the block's window
-            layer.record = AttentionRecord(layer.record.probs + probs[..., : layer.record.probs.shape[-1]],
-                                           layer.record.window + window)
+            probe = probs[..., : layer.record.probs.shape[-1]]
+            layer.record = AttentionRecord(layer.record.probs + probe, layer.record.window + window, probe)
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -61,10 +61,14 @@ class AttentionRecord:
     """Attention paid by the last ``window`` queries of a forward pass, summed over those queries.
 
     ``probs`` has shape ``[H_kv, group, T]``: per KV head, per query head of its group, per key.
+    ``probe`` is the part of ``probs`` a probe's queries paid (a question streamed alongside the
+    block, see :meth:`kvcli.engine.Engine.forward`), kept apart for methods that treat the question's
+    attention differently from the text's own (TreeKV's guard); None without a probe.
     """
 
     probs: torch.Tensor
     window: int
+    probe: torch.Tensor | None = None
 
 
 class CompressedLayer(CacheLayerMixin):

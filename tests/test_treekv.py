@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from kvcli.cache import AttentionRecord, LayerView
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.methods import make_method
@@ -392,3 +393,27 @@ def test_default_split_at_cache_1024_keeps_508_recent_tokens():
         evicted.append(sorted((before | {newest}) - set(kept[0])))
     assert evicted[-1] == [cache.stream_start - 1 - 508]  # the 509th newest token
     assert Split.of(budget, 4, None) == Split(4, 508, 512)
+
+
+@pytest.mark.parametrize("guard", [0, 8])
+def test_guard_keeps_both_neighbours_the_question_attends_to(guard):
+    """Two adjacent tokens the probe attends to (the digits of a pass key) are compared with each other by
+    the pair rule, which evicts one of them; with a guard both sit out the sweep and stay."""
+    method, budget = make_method("treekv", {"guard": guard, "kernel": 1}), 64  # 4 sinks + 28 recent + 32 selected
+    method.validate(budget)
+    cache = make_cache(num_layers=1, kv_heads=HEADS)
+    append_tokens(cache, budget)
+    append_tokens(cache, 16)
+    length = budget + 16
+    needle = [20, 21]  # tree-region items 16 and 17: one pair of the first sweep
+    text = torch.full((HEADS, GROUP, length), 1.0 / length)
+    probe = torch.zeros(HEADS, GROUP, length)
+    probe[..., needle] = 0.5
+    layer = cache.layers[0]
+    layer.record = AttentionRecord(text + probe, 2, probe)
+    keep = method.compress(LayerView(0, 1, layer, 16, layer.record, seen=cache.stream_start), budget)
+    layer.keep(keep)
+    kept = [set(head) for head in kept_positions(cache)]
+    assert all(len(head) == budget for head in kept)
+    survivors = [len(set(needle) & head) for head in kept]
+    assert survivors == ([2, 2] if guard else [1, 1])

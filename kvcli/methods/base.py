@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from kvcli.cache import KVCache, LayerView
 from kvcli.errors import BudgetError, UsageError
@@ -157,6 +158,22 @@ def select_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> to
 def group_mean(probs: torch.Tensor) -> torch.Tensor:
     """Aggregate ``[H_kv, group, T]`` attention over the query heads that share each KV head (GQA)."""
     return probs.mean(dim=1)
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """Smooth ``[H, P]`` scores along the sequence: stride-1, same-length pooling of odd width ``kernel``.
+
+    Max pooling ignores the padding; average pooling divides by ``kernel`` at the edges too
+    (zero padding counted, as ``F.avg_pool1d`` does by default and SnapKV's code uses it).
+    """
+    if kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    x = scores[:, None, :]
+    if pooling == "max":
+        out = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+    else:
+        out = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+    return out[:, 0, :]
 
 
 def check_budget(budget: int, always_kept: int, what: str) -> None:

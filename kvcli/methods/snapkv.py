@@ -11,28 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import ScoredMethod, check_split, group_mean, param
+from kvcli.methods.base import ScoredMethod, check_split, group_mean, param, pool_scores
 from kvcli.methods.registry import register
-
-
-def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
-    """Smooth ``[H, P]`` scores along the sequence: stride-1, same-length pooling of odd width ``kernel``.
-
-    Max pooling ignores the padding; average pooling divides by ``kernel`` at the edges too
-    (zero padding counted, as ``F.avg_pool1d`` does by default and SnapKV's code uses it).
-    """
-    if kernel <= 1 or scores.shape[-1] == 0:
-        return scores
-    x = scores[:, None, :]
-    if pooling == "max":
-        out = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
-    else:
-        out = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
-    return out[:, 0, :]
 
 
 def check_pooling(window: int, kernel: int, pooling: str) -> None:

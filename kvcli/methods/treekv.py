@@ -13,6 +13,11 @@ the tree region one at a time. Between two wraps of ``idx`` those evictions comp
 neighbour pairs, so each sweep is one vectorised step (see :func:`pair_rule`). Above one token
 per call the pairs are units of ``tree_block`` consecutive tokens (the paper's block-level
 prefill, section 4.2), scored by the mean of their tokens' averaged attention.
+
+Beyond the paper, for streamed reads with a question (``kvcli ask``, ``needle``): the pair rule
+compares neighbours, so of two adjacent tokens that both matter (the digits of a number) one goes
+whenever the sweep meets them. When a block carries a probe, the ``guard`` tree-region tokens around
+the question's attention peaks sit out that block's sweep (see docs/methods.md).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import Method, Split, check_budget, group_mean, param
+from kvcli.methods.base import Method, Split, check_budget, group_mean, param, pool_scores
 from kvcli.methods.registry import register
 
 AUTO_TREE_BLOCK = 16  # unit of block-level eviction when tree_block=0 and a call prefills an empty cache
@@ -85,6 +90,9 @@ class TreeKV(Method):
     tree_block: int = param(0, "tokens per eviction unit in the tree region; 0 = auto: 16 when a "
                                "prompt is prefilled in one call (section 4.2), 1 when streaming or decoding")
     window: int = param(32, "last queries of each block whose attention is accumulated (capped by the block)")
+    guard: int = param(64, "streamed reads with a question (probe) only: per KV head, this many tree-region "
+                           "tokens around the question's attention peaks sit out the block's pair rule; 0 = off")
+    kernel: int = param(15, "max-pooling width (odd) of the question's attention when picking guarded tokens")
 
     def score_window(self, block_len: int) -> int:
         return min(self.window, block_len)
@@ -94,6 +102,8 @@ class TreeKV(Method):
             raise UsageError("treekv: sinks, recent and tree_block must not be negative")
         if self.window < 1:
             raise UsageError("treekv: window must be at least 1")
+        if self.guard < 0 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise UsageError("treekv: guard must be >= 0 and kernel an odd number >= 1")
         need = max(1, self.tree_block)
         what = f"sinks ({self.sinks}) + recent + {need} selected token{'s' if need > 1 else ''}"
         if self.recent is None:  # selected = min(cache // 2, cache - sinks) must reach `need`
@@ -138,13 +148,34 @@ class TreeKV(Method):
             idx = first * unit
             tokens = (gone[:, :, None] * unit + torch.arange(unit, device=device)).flatten(1)
             region = remove(region, tokens)
-        if rest:
+        guarded = self._guarded(view, lo, hi, split.selected) if rest and not units else None
+        if guarded is not None:  # the pair rule sweeps the other tokens, as if the guarded were not there
+            open_ = remove(region, guarded)
+            capacity = split.selected - guarded.shape[1]
+            gone, idx = pair_rule(importance.gather(1, open_), capacity, rest, idx % capacity)
+            region = remove(region, open_.gather(1, gone))
+        elif rest:
             gone, idx = pair_rule(importance.gather(1, region), split.selected, rest, idx)
             region = remove(region, gone)
         view.method_state[IDX] = idx
         sinks = torch.arange(lo, device=device).expand(heads, lo)
         recent = torch.arange(hi, length, device=device).expand(heads, length - hi)
         return torch.cat((sinks, region + lo, recent), dim=1)
+
+    def _guarded(self, view: LayerView, lo: int, hi: int, selected: int) -> torch.Tensor | None:
+        """Tree-region indices ``[H, g]`` (ascending) around the probe's attention peaks, or None.
+
+        The question's attention to the region, max-pooled over ``kernel`` neighbours so that a peak
+        guards its span, picks the top ``guard`` tokens per KV head (at most half the selected part,
+        so the sweep still has room); ties go to the earlier token, as in :func:`select_top`.
+        """
+        record = view.record
+        count = min(self.guard, selected // 2)
+        if record is None or record.probe is None or count < 1:
+            return None
+        probe = pool_scores(group_mean(record.probe)[:, lo:hi].float(), self.kernel, "max")
+        order = torch.sort(probe, dim=-1, descending=True, stable=True).indices[:, :count]
+        return order.sort(dim=-1).values
 
     @staticmethod
     def is_prefill(view: LayerView) -> bool:
