@@ -8,7 +8,7 @@ from kvcli.errors import UsageError
 from kvcli.presets import builtin_dirs, find_preset, list_presets, merge, parse, user_dir
 
 MODELS = {"smollm2-135m", "llama-3.2-1b-instruct", "llama-3.1-8b-instruct", "qwen2.5-7b-instruct",
-          "mistral-7b-instruct"}
+          "mistral-7b-instruct", "qwen3-8b", "phi-3-mini-4k-instruct", "gemma-3-1b-it", "gemma3-270m"}
 METHOD_PRESETS = {"treekv-1024", "snapkv-1024", "pyramidkv-paper", "streamingllm-1024"}
 
 
@@ -38,6 +38,29 @@ def test_builtin_presets_are_found_and_valid():
     assert found["llama-3.2-1b-instruct"].settings["model"] == "meta-llama/Llama-3.2-1B-Instruct"
     paper = found["pyramidkv-paper"].settings
     assert paper["method"] == "pyramidkv" and paper["options"]["beta"] == 20 and paper["options"]["window"] == 8
+
+
+def test_model_presets_name_their_family_and_its_rope_and_window_facts():
+    """Each built-in model preset names a family kvcli supports and states the RoPE and window facts a user
+    needs to pick a budget; `kvcli models` lists it under that family, and `family` is never an option."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvcli.architecture import FAMILIES
+    from kvcli.cli import app
+
+    families = {f.model_type for f in FAMILIES}
+    found = {p.name: p for p in list_presets()}
+    for name in MODELS:
+        settings = found[name].settings
+        assert settings["family"] in families, name
+        assert "RoPE base" in settings["description"] and "window" in settings["description"], name
+    listed = json.loads(CliRunner().invoke(app, ["models", "--json"]).stdout)
+    by_family = {row["model_type"]: set(row["presets"]) for row in listed}
+    assert {"gemma3-270m", "gemma-3-1b-it"} <= by_family["gemma3_text"]
+    assert "phi-3-mini-4k-instruct" in by_family["phi3"] and "qwen3-8b" in by_family["qwen3"]
+    assert "family" not in merge(["qwen3-8b"])
 
 
 def test_builtin_method_presets_build_valid_methods():

@@ -31,12 +31,21 @@ def presets(json_out: Annotated[bool, typer.Option("--json", help="A JSON list o
 
 
 def models(json_out: Annotated[bool, typer.Option("--json", help="A JSON list of {model_type, models, rope, "
-                                                  "windows, attention}.")] = False) -> None:
-    """List the model families kvcli streams, with the RoPE, window and attention facts it honours."""
+                                                  "windows, attention, presets}.")] = False) -> None:
+    """List the model families kvcli streams, with the RoPE, window and attention facts it honours and the
+    model presets (--preset NAME) of each family."""
     from dataclasses import asdict
 
     from kvcli.architecture import FAMILIES
     from kvcli.cli.render import models_listing
+    from kvcli.presets import list_presets
     from kvcli.report import dumps, print_result
 
-    print_result(dumps([asdict(f) for f in FAMILIES]) if json_out else models_listing(FAMILIES))
+    presets: dict[str, list[str]] = {}
+    for preset in list_presets():
+        if "family" in preset.settings:
+            presets.setdefault(preset.settings["family"], []).append(preset.name)
+    if json_out:
+        print_result(dumps([{**asdict(f), "presets": presets.get(f.model_type, [])} for f in FAMILIES]))
+    else:
+        print_result(models_listing(FAMILIES, presets))

@@ -14,6 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kvcli.presets import OTHER_KEYS
 from kvcli.report import mib
 
 
@@ -64,8 +65,9 @@ def methods_listing(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def models_listing(families: list) -> str:
-    """``kvcli models``: each supported family, its RoPE, its windows and its attention features."""
+def models_listing(families: list, presets: dict[str, list[str]]) -> str:
+    """``kvcli models``: each supported family, its RoPE, its windows, its attention features and the
+    model presets of that family (``presets`` maps a model_type to preset names)."""
     lines = []
     for f in families:
         lines.append(f"{f.model_type:<14} {f.models}")
@@ -73,6 +75,8 @@ def models_listing(families: list) -> str:
         lines.append(f"{'':<16}windows: {f.windows}")
         if f.attention:
             lines.append(f"{'':<16}attention: {f.attention}")
+        if presets.get(f.model_type):
+            lines.append(f"{'':<16}presets: {', '.join(presets[f.model_type])}")
     lines.append("Other models with rotary position embeddings in transformers' layout are read the same way; "
                  "models without RoPE (GPT-2, state-space models) are refused.")
     return "\n".join(lines)
@@ -87,7 +91,7 @@ def presets_listing(found: list, user_dir: Path) -> str:
             continue
         lines.append(f"{kind} presets:")
         for p in group:
-            settings = ", ".join(f"{k}={_short(v)}" for k, v in p.settings.items() if k not in ("description", "kind"))
+            settings = ", ".join(f"{k}={_short(v)}" for k, v in p.settings.items() if k not in OTHER_KEYS)
             lines.append(f"  {p.name:<24} {settings}")
             lines.append(f"  {'':<24} {p.source}: {p.path}")
     lines.append(f"user presets folder: {user_dir}")

@@ -25,7 +25,9 @@ from kvcli.errors import UsageError
 
 MODEL_KEYS = {"model": str, "dtype": str, "device": str, "stop": list}
 METHOD_KEYS = {"method": str, "cache": int, "block": int, "options": dict}
-OTHER_KEYS = {"description": str, "kind": str}
+#: Keys that describe a preset rather than set an option: ``family`` is the ``model_type`` of a model
+#: preset's architecture (``kvcli models`` lists the presets of each family).
+OTHER_KEYS = {"description": str, "kind": str, "family": str}
 KINDS = ("model", "method", "mixed")
 TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", dict: "a table"}
 
@@ -119,7 +121,7 @@ def merge(specs: list[str] | None) -> dict:
     for spec in specs or []:
         settings = find_preset(spec).settings
         for key, value in settings.items():
-            if key in ("description", "kind"):
+            if key in OTHER_KEYS:
                 continue
             if key == "options":
                 merged["options"] = {**merged.get("options", {}), **value}
