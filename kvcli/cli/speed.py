@@ -13,7 +13,6 @@ import typer
 
 from kvcli.cli.options import (
     BlockOpt,
-    CacheOpt,
     DeviceOpt,
     DtypeOpt,
     MethodsOptionOpt,
@@ -33,7 +32,9 @@ def bench_speed(
                                        "llama-3.2-1b, llama-3.1-8b or qwen2.5-7b.")] = "smollm2-135m",
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods to time (see `kvcli methods`); "
                                          "each needs a budget.")] = "streamingllm",
-    cache: CacheOpt = 1024,
+    cache: Annotated[int, typer.Option("--cache", "-c", help="KV budget in tokens per layer (average over layers "
+                                       "for methods that vary it); the plain forward's cache is cropped back to "
+                                       "it too.")] = 1024,
     block: BlockOpt = "auto",
     tokens: Annotated[int | None, typer.Option("--tokens", "-n", help="Tokens timed per line, after a warm-up "
                                                "(default 8192 on a CPU, 65536 on a GPU), in whole blocks.")] = None,
