@@ -34,29 +34,62 @@ from kvcli.models import load_model
 from kvcli.text import first_tokens, open_source
 
 
-def plain_blocks(model, ids: torch.Tensor, block: int, budget: int) -> float:
-    """Tokens/s of stock forwards of ``block`` tokens against a DynamicCache cropped back to ``budget`` tokens."""
+def synchronize(device: torch.device | str) -> None:
+    """Wait for ``device``'s queued work (CUDA runs asynchronously), so that the clock reads finished work."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stream_plain_blocks(model, ids: torch.Tensor, block: int, budget: int, *, warmup: int = 1,
+                        before_timing=None) -> tuple[int, float]:
+    """Stock forwards (SDPA attention) of ``block`` tokens against a ``DynamicCache`` cropped back to ``budget``
+    tokens after every block: the tokens timed and the seconds they took.
+
+    The first ``budget`` tokens fill the cache and ``warmup`` blocks run untimed; every later whole block is
+    timed. Token ids and position ids live on the model's device (a GPU never waits on a host copy), and
+    CUDA is synchronised before the clock is read. ``before_timing`` (e.g. a peak-memory reset) runs just
+    before the clock starts.
+    """
     from transformers import DynamicCache
 
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    positions = torch.arange(budget, budget + block, device=device)[None]
     model.set_attn_implementation("sdpa")
     try:
         past = DynamicCache(config=model.config)
         with torch.inference_mode():
-            model(input_ids=ids[None, :budget], past_key_values=past, use_cache=True)
+            model(input_ids=ids[None, :budget], past_key_values=past, use_cache=True, logits_to_keep=1)
+            starts = range(budget, ids.shape[0] - block + 1, block)
+            for start in starts[:warmup]:
+                model(input_ids=ids[None, start:start + block], past_key_values=past, use_cache=True,
+                      position_ids=positions)
+                past.crop(-block)
+            synchronize(device)
+            if before_timing is not None:
+                before_timing()
             started = time.perf_counter()
             done = 0
-            for start in range(budget, ids.shape[0] - block + 1, block):
+            for start in starts[warmup:]:
                 model(input_ids=ids[None, start:start + block], past_key_values=past, use_cache=True,
-                      position_ids=torch.arange(budget, budget + block)[None])
+                      position_ids=positions)
                 past.crop(-block)  # back to `budget` tokens: the cost of the next block is what matters
                 done += block
-        return done / (time.perf_counter() - started)
+            synchronize(device)
+        return done, time.perf_counter() - started
     finally:
         model.set_attn_implementation("kvcli")
 
 
+def plain_blocks(model, ids: torch.Tensor, block: int, budget: int) -> float:
+    """Tokens/s of stock forwards of ``block`` tokens against a DynamicCache cropped back to ``budget`` tokens."""
+    done, seconds = stream_plain_blocks(model, ids, block, budget)
+    return done / seconds if seconds > 0 else 0.0
+
+
 def hf_sliding(model, ids: torch.Tensor, window: int, stride: int) -> tuple[float, float]:
     """Perplexity and tokens/s of the sliding-window loop in Hugging Face's perplexity guide."""
+    ids = ids.to(next(model.parameters()).device)
     model.set_attn_implementation("sdpa")
     try:
         nll_sum, count, prev_end = 0.0, 0, 0
@@ -81,6 +114,7 @@ def hf_sliding(model, ids: torch.Tensor, window: int, stride: int) -> tuple[floa
 
 def plain_forward_ppl(model, ids: torch.Tensor) -> float:
     """Perplexity of one stock forward pass over all of ``ids``: the reference the engine must match."""
+    ids = ids.to(next(model.parameters()).device)
     model.set_attn_implementation("sdpa")
     try:
         with torch.inference_mode():

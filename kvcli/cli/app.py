@@ -14,7 +14,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from kvcli.cli import analyze, bench, listing, needle, perplexity, pod, reading
+from kvcli.cli import analyze, bench, listing, needle, perplexity, pod, reading, speed
 from kvcli.errors import BudgetError, KvcliError, UsageError
 
 
@@ -50,6 +50,7 @@ app.command()(reading.summarize)
 app.command()(reading.ask)
 app.command()(needle.needle)
 app.command()(bench.bench)
+app.command("bench-speed")(speed.bench_speed)
 app.command()(analyze.analyze)
 app.command()(pod.calibrate)
 app.command()(pod.adapt)

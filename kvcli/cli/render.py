@@ -256,3 +256,34 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"Haar detail magnitude, last quarter / first quarter (edges of {wav['edge']} excluded): "
                      f"{ratios}")
     return lines
+
+
+def _count(value: float) -> str:
+    """A parameter count the way model names say it: 135M, 8.03B."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.0f}"
+
+
+def speed_table(result: dict) -> str:
+    """``kvcli bench-speed``'s result: what ran and the measured matmul rate MFU is relative to, then one row
+    per line (the plain forward, then kvcli per method)."""
+    buffer = io.StringIO()
+    console = _console(buffer)
+    console.print(f"{result['shape']}: {_count(result['parameters'])} parameters, random weights "
+                  f"{mib(result['weight_bytes'])} · {result['device_name']} {result['dtype']}, "
+                  f"{result['threads']} threads")
+    console.print(f"cache {result['cache']:,} · block {result['block']:,} · {result['tokens']:,} tokens timed "
+                  f"per line · {result['flops_per_token'] / 1e9:.3g} GFLOP/token")
+    console.print(f"measured matmul rate (MFU's peak): {result['matmul_tflops']:.3g} TFLOP/s "
+                  f"({result['matmul_size']} square, {result['dtype']})")
+    table = Table()
+    for name in ("line", "tokens/s", "vs plain", "TFLOP/s", "MFU", "peak memory"):
+        table.add_column(name, justify="left" if name == "line" else "right")
+    for row in result["rows"]:
+        table.add_row(row["line"], f"{row['tokens_per_second']:,.0f}",
+                      "-" if row["vs_plain"] is None else f"{row['vs_plain']:.2f}x",
+                      f"{row['tflops']:.3g}", f"{row['mfu']:.1%}", mib(row["peak_memory_bytes"]))
+    console.print(table)
+    return buffer.getvalue()

@@ -1,0 +1,266 @@
+"""Speed on named model shapes: tokens/s, model FLOPs utilisation and peak memory, kvcli next to a plain forward.
+
+``kvcli bench-speed`` (see :mod:`kvcli.cli.speed`) calls :func:`run_speed`. A shape from :data:`SHAPES` is
+built with random weights directly on the target device in the target dtype: no download, no tokenizer
+(the token ids are random integers from a seeded generator). Speed does not depend on the weights, so
+the numbers hold for the real checkpoints of the same shape; perplexity is meaningless here and is not
+reported.
+
+For each requested method the engine streams ``tokens`` tokens in blocks against a cache compressed back
+to ``cache`` tokens per layer; the plain line runs stock transformers forwards (SDPA attention, a
+``DynamicCache`` cropped back to ``cache`` tokens after every block) of the same blocks. Both start from
+a full cache after an untimed warm-up, so every timed block attends to the same number of keys.
+
+Model FLOPs utilisation (MFU) is the model's useful FLOPs per second over the **measured** rate of one
+large square matmul in the same dtype on the same device (:func:`matmul_rate`), not the datasheet's peak:
+a card's datasheet number is rarely reached, and a CPU has none. Useful FLOPs per token are
+``2 x`` the parameters of every matmul (the LM head included, the embedding lookup not) plus the
+attention's ``4 x layers x heads x head_dim x`` keys attended per query (the cache plus, causally,
+half the block on average); the engine's own work (re-rotating keys, scoring, compressing) is overhead,
+not useful FLOPs, which is what the comparison with the plain forward shows.
+
+Peak memory: on CUDA the most memory torch allocated during the timed blocks; on a CPU the process's
+peak resident set during them (Linux resets the high-water mark through ``/proc/self/clear_refs``;
+elsewhere it is the peak since the process started), which includes the weights and Python itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvcli.bench.throughput import stream_plain_blocks, synchronize
+from kvcli.errors import UsageError
+
+_LLAMA = {"rms_norm_eps": 1e-5, "hidden_act": "silu"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape: the transformers config class (``llama`` or ``qwen2``) and its keyword arguments."""
+
+    family: str
+    config: dict
+    description: str
+
+
+#: Named shapes of real models (their published configs, random weights). Llama 3's RoPE scaling is
+#: left out: it changes which frequencies rotate a key, not how long anything takes.
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, tie_word_embeddings=False,
+                                max_position_embeddings=4096, **_LLAMA),
+                  "a 2-layer toy for tests (milliseconds per block)"),
+    "smollm2-135m": Shape("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                        rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
+                                        **_LLAMA),
+                          "SmolLM2-135M (kvcli's default model)"),
+    "llama-3.2-1b": Shape("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                        rope_theta=500000.0, tie_word_embeddings=True,
+                                        max_position_embeddings=131072, **_LLAMA),
+                          "Llama-3.2-1B"),
+    "llama-3.1-8b": Shape("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                        rope_theta=500000.0, tie_word_embeddings=False,
+                                        max_position_embeddings=131072, **_LLAMA),
+                          "Llama-3.1-8B"),
+    "qwen2.5-7b": Shape("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                      num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                      rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=32768,
+                                      rms_norm_eps=1e-6, hidden_act="silu"),
+                        "Qwen2.5-7B (biases on q, k and v, as Qwen2 has)"),
+}
+
+#: Matmul size for the measured rate: large enough to reach a device's rate, small enough to take well under a second.
+MATMUL_SIZE = {"cuda": 8192, "cpu": 1024}
+
+#: Tokens timed per line when the caller does not say: a CPU streams about a thousand tokens/s at 135M.
+DEFAULT_TOKENS = {"cuda": 65536, "cpu": 8192}
+
+
+def shape_config(name: str):
+    """The transformers config of shape ``name``."""
+    if name not in SHAPES:
+        raise UsageError(f"--shape {name!r}: choose one of {', '.join(SHAPES)}")
+    shape = SHAPES[name]
+    if shape.family == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**shape.config)
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**shape.config)
+
+
+def build_model(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Shape ``name`` with random weights, allocated on ``device`` in ``dtype`` (never materialised elsewhere),
+    its attention running through kvcli's registered function like every model :func:`kvcli.models.load_model`
+    returns. ``device="meta"`` allocates nothing (to count parameters)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcli.attention import ATTENTION_NAME, register_attention
+    from kvcli.models import quiet_transformers
+
+    register_attention()
+    quiet_transformers()
+    config = shape_config(name)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+def matmul_parameters(model: torch.nn.Module) -> int:
+    """Weights that multiply activations: every ``Linear`` (the LM head too, even when tied to the embedding),
+    not the embedding lookup, norms or biases."""
+    return sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
+
+
+def attended_keys(cache: int, block: int) -> float:
+    """Keys a query attends to on average when a block of ``block`` tokens runs against ``cache`` cached tokens:
+    query ``i`` of the block sees the cache and the block's first ``i + 1`` tokens."""
+    return cache + (block + 1) / 2
+
+
+def flops_per_token(model: torch.nn.Module, keys: float) -> float:
+    """Useful FLOPs of one token's forward pass: ``2 x`` matmul parameters plus attention's ``4 x layers x
+    heads x head_dim x keys`` (``q @ k`` and ``p @ v``, two FLOPs per multiply-add)."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2.0 * matmul_parameters(model) + 4.0 * config.num_hidden_layers * heads * head_dim * keys
+
+
+def matmul_rate(device: torch.device | str, dtype: torch.dtype, size: int | None = None, repeats: int = 5) -> float:
+    """FLOP/s of a ``size x size`` matmul in ``dtype`` on ``device``, the fastest of ``repeats`` after a warm-up.
+
+    A measured rate (the "peak" MFU is relative to), not the datasheet's: it is what this device, with this
+    torch build and this many threads, reaches on the most favourable matmul.
+    """
+    device = torch.device(device)
+    size = size or MATMUL_SIZE.get(device.type, MATMUL_SIZE["cpu"])
+    inner = 10 if device.type == "cuda" else 1  # one 8192 matmul is a millisecond on a GPU: time several
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    torch.mm(a, b, out=out)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        for _ in range(inner):
+            torch.mm(a, b, out=out)
+        synchronize(device)
+        best = min(best, (time.perf_counter() - started) / inner)
+    return 2.0 * size**3 / best
+
+
+@dataclass
+class Timing:
+    """One line of the comparison: tokens timed, seconds, and the peak memory while they ran."""
+
+    tokens: int
+    seconds: float
+    peak_memory_bytes: int
+    kv_cache_bytes: int | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def time_engine(model, method, ids: torch.Tensor, cache: int, block: int) -> Timing:
+    """kvcli's engine streaming ``ids[cache + block:]`` after an untimed warm-up over the first ``cache + block``
+    tokens (the cache full, one compression done), scoring every token as ``kvcli ppl`` does."""
+    from kvcli.engine import Engine
+    from kvcli.report import peak_memory_bytes, reset_peak_memory
+
+    device = next(model.parameters()).device
+    engine = Engine(model, method, cache, block=block)
+    kv = engine.new_cache()
+    engine.score([ids[:cache + block]], cache=kv)
+    synchronize(device)
+    reset_peak_memory(device)
+    started = time.perf_counter()
+    totals = engine.score([ids[cache + block:]], cache=kv)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    return Timing(totals.processed, seconds, peak_memory_bytes(device), totals.kv_cache_bytes)
+
+
+def time_plain(model, ids: torch.Tensor, cache: int, block: int) -> Timing:
+    """Stock forwards of the same blocks as :func:`time_engine` (``ids[cache + block:]``, the cache filled and
+    one block run untimed first)."""
+    from kvcli.report import peak_memory_bytes, reset_peak_memory
+
+    device = next(model.parameters()).device
+    tokens, seconds = stream_plain_blocks(model, ids, block, cache, warmup=1,
+                                          before_timing=lambda: reset_peak_memory(device))
+    return Timing(tokens, seconds, peak_memory_bytes(device))
+
+
+def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None = None, tokens: int | None = None,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, matmul_size: int | None = None,
+              seed: int = 0, note: Callable[[str], None] | None = None) -> dict:
+    """Build shape ``shape`` and time a plain forward and kvcli with each of ``methods`` (built
+    :class:`kvcli.methods.base.Method` objects) on the same random tokens; one dict for ``--json``.
+
+    ``block`` None is the engine's default for the device, ``tokens`` None :data:`DEFAULT_TOKENS`; the tokens
+    timed are rounded down to whole blocks (at least one).
+    """
+    from kvcli.engine import default_block
+
+    note = note or (lambda message: None)
+    device = torch.device(device)
+    block = block or default_block(device)
+    tokens = tokens or DEFAULT_TOKENS.get(device.type, DEFAULT_TOKENS["cpu"])
+    tokens = max(block, tokens // block * block)
+    note(f"building {shape} (random weights) on {device} in {str(dtype).removeprefix('torch.')}")
+    model = build_model(shape, device, dtype, seed)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (cache + block + tokens,), generator=generator)
+    note(f"measuring the matmul rate ({matmul_size or MATMUL_SIZE.get(device.type, MATMUL_SIZE['cpu'])} square)")
+    peak = matmul_rate(device, dtype, matmul_size)
+    per_token = flops_per_token(model, attended_keys(cache, block))
+
+    def row(line: str, kind: str, method: str | None, timing: Timing, plain: float | None) -> dict:
+        speed = timing.tokens_per_second
+        return {"line": line, "kind": kind, "method": method, "tokens": timing.tokens, "seconds": timing.seconds,
+                "tokens_per_second": speed, "tflops": per_token * speed / 1e12, "mfu": per_token * speed / peak,
+                "vs_plain": speed / plain if plain else None, "peak_memory_bytes": timing.peak_memory_bytes,
+                "kv_cache_bytes": timing.kv_cache_bytes}
+
+    note(f"plain forward: {tokens:,} tokens in blocks of {block} against {cache:,} cached tokens")
+    plain = time_plain(model, ids, cache, block)
+    rows = [row("plain (sdpa)", "plain", None, plain, None)]
+    for method in methods:
+        note(f"kvcli {method.name}: {tokens:,} tokens")
+        timing = time_engine(model, method, ids, cache, block)
+        rows.append(row(f"kvcli {method.name}", "engine", method.name, timing, plain.tokens_per_second))
+    config = model.config
+    return {
+        "shape": shape,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "cache": cache,
+        "block": block,
+        "tokens": tokens,
+        "layers": config.num_hidden_layers,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "matmul_parameters": matmul_parameters(model),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "flops_per_token": per_token,
+        "matmul_size": matmul_size or MATMUL_SIZE.get(device.type, MATMUL_SIZE["cpu"]),
+        "matmul_tflops": peak / 1e12,
+        "rows": rows,
+    }

@@ -1,0 +1,79 @@
+"""``kvcli bench-speed``: tokens/s, model FLOPs utilisation and peak memory on a named model shape, kvcli next
+to a plain forward of the same blocks, in one run (random weights, nothing downloaded).
+
+:mod:`kvcli.bench.speed` builds and times; the table or the JSON object is the result (stdout), progress goes
+to stderr.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvcli.cli.options import (
+    BlockOpt,
+    DeviceOpt,
+    DtypeOpt,
+    MethodsOptionOpt,
+    QuietOpt,
+    build_method,
+    check_at_least,
+    check_cache,
+    method_options,
+    parse_block,
+    split_list,
+)
+from kvcli.errors import UsageError
+
+
+def bench_speed(
+    shape: Annotated[str, typer.Option("--shape", help="Model shape, random weights: tiny, smollm2-135m, "
+                                       "llama-3.2-1b, llama-3.1-8b or qwen2.5-7b.")] = "smollm2-135m",
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods to time (see `kvcli methods`); "
+                                         "each needs a budget.")] = "streamingllm",
+    cache: Annotated[int, typer.Option("--cache", "-c", help="KV budget in tokens per layer (average over layers "
+                                       "for methods that vary it); the plain forward's cache is cropped back to "
+                                       "it too.")] = 1024,
+    block: BlockOpt = "auto",
+    tokens: Annotated[int | None, typer.Option("--tokens", "-n", help="Tokens timed per line, after a warm-up "
+                                               "(default 8192 on a CPU, 65536 on a GPU), in whole blocks.")] = None,
+    option: MethodsOptionOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    matmul_size: Annotated[int | None, typer.Option("--matmul-size", help="Side of the square matmul whose "
+                                                    "measured rate MFU is relative to (default 8192 on a GPU, "
+                                                    "1024 on a CPU).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights and tokens.")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Speed on a named model shape: tokens/s, MFU against the measured matmul rate, and peak memory, for kvcli
+    and for a plain transformers forward of the same blocks. Random weights: nothing is downloaded."""
+    from kvcli.bench.speed import SHAPES, run_speed
+    from kvcli.cli.render import speed_table
+    from kvcli.models import resolve_device, resolve_dtype
+    from kvcli.report import dumps, print_result, stderr_console
+
+    if shape not in SHAPES:
+        raise UsageError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    check_cache(cache)
+    check_at_least(1, tokens=tokens, matmul_size=matmul_size)
+    block_size = parse_block(block)
+    names = list(dict.fromkeys(split_list(methods, str, "--methods")))
+    options = method_options(names, option)
+    built = [build_method(name, options[name], cache) for name in names]
+    for method in built:
+        if method.unbounded:
+            raise UsageError(f"--methods {method.name}: it keeps every token, so its cost grows with the stream; "
+                             "time a method with a budget")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+
+    def note(message: str) -> None:
+        if not quiet:
+            stderr_console.print(message, markup=False, highlight=False)
+
+    result = run_speed(shape, built, cache=cache, block=block_size, tokens=tokens, device=torch_device,
+                       dtype=torch_dtype, matmul_size=matmul_size, seed=seed, note=note)
+    print_result(dumps(result) if json_out else speed_table(result))
