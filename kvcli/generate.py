@@ -37,9 +37,13 @@ SENTINEL = "KVCLIDOCUMENTSENTINEL"
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>",
                "<|end|>", "<|eom_id|>")
 
-#: One forward pass over this many tokens is what auto one-shot prefill allows at most (the explicit CPU
-#: attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
-ONE_SHOT_CAP = {"cpu": 8192, "cuda": 32768}
+#: One forward pass over this many tokens is what auto one-shot prefill allows at most on a CPU (the
+#: explicit CPU attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
+#: A GPU's cap comes from its free memory instead (:func:`one_shot_cap`).
+ONE_SHOT_CAP = {"cpu": 8192}
+#: Share of a GPU's free memory (after loading the model) that an auto one-shot prefill may fill; the
+#: rest is left to the allocator's fragmentation, the decode steps and other processes on the card.
+ONE_SHOT_MEMORY_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -241,10 +245,39 @@ class Generation:
         return self.read_seconds + self.write_seconds
 
 
-def one_shot_limit(engine: Engine, max_new_tokens: int) -> int:
+def prefill_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Memory one prompt token holds during a one-shot forward pass on a GPU: its keys and values in
+    every layer (the method compresses only after the pass) and its share of one layer's activations
+    (a few hidden-size vectors and the MLP's two intermediate ones). SDPA's attention is linear in
+    memory there, and the observation window is scored in bounded chunks."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    size = torch.empty((), dtype=dtype).element_size()
+    return size * (2 * layers * kv_heads * head_dim + 4 * hidden + 2 * intermediate)
+
+
+def one_shot_cap(engine: Engine, free_bytes: int | None = None) -> int:
+    """Tokens one forward pass may take on ``engine``'s device: a fixed cap on a CPU; on a GPU as many
+    as fill :data:`ONE_SHOT_MEMORY_SHARE` of its free memory (``free_bytes``, else measured), in
+    whole thousands of tokens, so a larger card reads longer prompts in one shot."""
+    device = engine.device
+    if device.type != "cuda":
+        return ONE_SHOT_CAP["cpu"]
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    dtype = next(engine.model.parameters()).dtype
+    tokens = int(ONE_SHOT_MEMORY_SHARE * free_bytes) // prefill_bytes_per_token(engine.model.config, dtype)
+    return tokens // 1024 * 1024
+
+
+def one_shot_limit(engine: Engine, max_new_tokens: int, free_bytes: int | None = None) -> int:
     """Largest prompt prefilled in one forward by default: the trained context minus room for the
-    answer, capped so that one forward pass stays affordable on the device."""
-    cap = ONE_SHOT_CAP.get(engine.device.type, ONE_SHOT_CAP["cpu"])
+    answer, capped so that one forward pass stays affordable on the device (:func:`one_shot_cap`)."""
+    cap = one_shot_cap(engine, free_bytes)
     if engine.trained_context:
         cap = min(cap, engine.trained_context - max_new_tokens)
     return max(cap, 0)

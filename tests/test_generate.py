@@ -316,3 +316,24 @@ def test_wilson_interval_matches_known_values():
     for (successes, trials), (low, high) in cases.items():
         got = wilson_interval(successes, trials)
         assert got == pytest.approx((low, high), abs=1e-4), (successes, trials)
+
+
+def test_one_shot_cap_follows_the_gpus_free_memory():
+    """On a GPU the auto one-shot cap is what fills half the free memory with the prompt's keys, values and
+    one layer's activations (Llama 3.1 8B in bf16: 216 KiB per token), then the trained context bounds it;
+    a CPU keeps its fixed cap."""
+    from types import SimpleNamespace
+
+    from kvcli.bench.speed import shape_config
+    from kvcli.generate import ONE_SHOT_CAP, one_shot_cap, one_shot_limit, prefill_bytes_per_token
+
+    config = shape_config("llama-3.1-8b")
+    per_token = prefill_bytes_per_token(config, torch.bfloat16)
+    assert per_token == 2 * (2 * 32 * 8 * 128 + 4 * 4096 + 2 * 14336)
+    weights = torch.nn.Linear(1, 1, dtype=torch.bfloat16, device="meta")
+    model = SimpleNamespace(config=config, parameters=weights.parameters)
+    gpu = SimpleNamespace(device=torch.device("cuda"), model=model, trained_context=131072)
+    assert one_shot_cap(gpu, free_bytes=60 * 2**30) == (30 * 2**30 // per_token) // 1024 * 1024 == 145408
+    assert one_shot_cap(gpu, free_bytes=4 * 2**30) == 9216
+    assert one_shot_limit(gpu, 128, free_bytes=60 * 2**30) == 131072 - 128
+    assert one_shot_cap(SimpleNamespace(device=torch.device("cpu"))) == ONE_SHOT_CAP["cpu"]
