@@ -149,6 +149,9 @@ class Engine:
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
         self._warned_context = False
         self.decoder = model.get_decoder()
+        #: Read each block's NLL to the host one block late (see :meth:`score`): on a GPU only, where
+        #: reading at once would stall the device once per block.
+        self.lag_host_reads = self.device.type == "cuda"
         self.head = model.get_output_embeddings()
 
     def _layer_budgets(self) -> list[int | None] | None:
@@ -272,9 +275,29 @@ class Engine:
         previous: torch.Tensor | None = state.previous if state else None  # last hidden state of the previous block
         stream_pos = state.position if state else 0
         started = time.perf_counter() - totals.seconds
+        # A block's NLL reaches the host (the one read per block, for progress and totals) only after
+        # the next block has been queued, so a GPU never idles waiting for the host; checkpoints need
+        # the state of the block just done, so they read at once.
+        lag = self.lag_host_reads and on_state is None
+        pending: list[tuple] = []  # blocks whose NLL is still on the device
+        clock = [time.perf_counter()]
+
+        def settle() -> None:
+            nll, scored, size, position, cache_tokens = pending.pop(0)
+            value = float(nll)
+            now = time.perf_counter()
+            elapsed, clock[0] = now - clock[0], now
+            totals.tokens += scored
+            totals.processed += size
+            totals.nll_sum += value
+            stats = BlockStats(position, scored, value / scored if scored else float("nan"), cache_tokens,
+                               size / elapsed if elapsed > 0 else 0.0)
+            totals.blocks.append(stats)
+            if on_block:
+                on_block(stats, totals)
+
         try:
             for ids in blocks_of(token_chunks, self.block, limit=None if max_tokens is None else max_tokens + 1):
-                tick = time.perf_counter()
                 hidden = self.forward(cache, ids[None, :])
                 predictors = hidden[:-1] if previous is None else torch.cat((previous, hidden[:-1]))
                 targets = ids[1:] if previous is None else ids
@@ -283,23 +306,20 @@ class Engine:
                 nll = self.token_nll(predictors[skip:], targets[skip:], on_logits=on_logits).sum()
                 previous = hidden[-1:]
                 stream_pos += ids.shape[0]
-                scored = targets.shape[0] - skip
-                totals.tokens += scored
-                totals.processed += ids.shape[0]
-                totals.nll_sum += float(nll)
-                elapsed = time.perf_counter() - tick
                 cache_tokens = cache.max_tokens()
                 totals.max_cache_tokens = max(totals.max_cache_tokens, cache_tokens)
-                stats = BlockStats(stream_pos - 1, scored, float(nll) / scored if scored else float("nan"),
-                                   cache_tokens, ids.shape[0] / elapsed if elapsed > 0 else 0.0)
-                totals.blocks.append(stats)
-                if on_block:
-                    on_block(stats, totals)
+                if pending:
+                    settle()
+                pending.append((nll, targets.shape[0] - skip, ids.shape[0], stream_pos - 1, cache_tokens))
+                if not lag:
+                    settle()
                 if on_state:
                     totals.seconds = time.perf_counter() - started
                     on_state(StreamState(cache, totals, previous, stream_pos))
         except KeyboardInterrupt:
             totals.interrupted = True
+        while pending:
+            settle()
         totals.seconds = time.perf_counter() - started
         totals.kv_cache_bytes = cache.nbytes()
         return totals

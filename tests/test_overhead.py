@@ -55,6 +55,23 @@ def test_no_host_device_sync_inside_a_block_on_cuda(name):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_lagged_host_reads_give_the_same_totals_and_block_stats():
+    """On a GPU each block's NLL is read one block late (the device never waits for the host); the totals,
+    the per-block curve and an interrupted stream's tokens must be exactly what reading at once gives."""
+    model = tiny_llama(num_layers=2, hidden=32, heads=4, kv_heads=2, seed=0)
+    ids = torch.randint(0, 128, (BUDGET + 5 * BLOCK + 7,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = []
+    for lag in (False, True):
+        engine = Engine(model, make_method("snapkv"), BUDGET, block=BLOCK)
+        engine.lag_host_reads = lag
+        seen = []
+        totals = engine.score([ids], on_block=lambda stats, totals, seen=seen: seen.append(totals.tokens))
+        runs.append((totals.nll_sum, totals.tokens, totals.processed, totals.max_cache_tokens,
+                     [(b.position, b.tokens, b.nll, b.cache_tokens) for b in totals.blocks], seen))
+    assert runs[0] == runs[1]
+    assert runs[0][1] == len(ids) - 1 and runs[0][5][-1] == len(ids) - 1
+
+
 def test_window_attention_in_chunks_equals_one_softmax(monkeypatch):
     from kvcli import attention
 
