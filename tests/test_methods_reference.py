@@ -276,7 +276,9 @@ def test_pyramidkv_selects_like_snapkv_under_layer_budgets():
     ({"min_len": 3, "decay": 0.5, "recent": 4, "gamma": 0.8}, 16),
     ({"min_len": 0, "decay": 0.9, "sinks": 0, "gamma": 1.0, "window": 3}, 24)])
 def test_pyramidinfer_keeps_a_decaying_fraction(options, cache):
-    method = make_method("pyramidinfer", options)
+    # Per KV head with the budget split's window from the first token: the rule kvcli used before the paper's
+    # head-averaged selection and recent ratio became the defaults (tests/test_pyramidinfer.py tests those).
+    method = make_method("pyramidinfer", {**options, "heads": "kv", "recent_ratio": 1.0})
     budgets = method.layer_budgets(cache, 3)
     assert sum(budgets) == 3 * cache and budgets == sorted(budgets, reverse=True)
     m = method
@@ -292,7 +294,8 @@ def test_pyramidinfer_keeps_a_decaying_fraction(options, cache):
 
 def test_pyramidinfer_retention_binds_below_the_budget():
     # A large budget: the cache holds ceil(p * decay**l * context) selected tokens, not the budget.
-    method = make_method("pyramidinfer", {"min_len": 1, "decay": 0.5, "p": 1.0, "sinks": 0, "recent": 2})
+    method = make_method("pyramidinfer", {"min_len": 1, "decay": 0.5, "p": 1.0, "sinks": 0, "recent": 2, "heads": "kv",
+                                          "recent_ratio": 1.0})
     reference = PyramidInferRef(2, 2, 32, 0.97, 1.0, 0.5, 1, 0, 2)
     cache = drive(method, reference, [200, 200], window_of=lambda n: 32, steps=[16, 8, 1, 1])
     seen = 26
