@@ -42,8 +42,10 @@ all its query heads, as the paper and its code do (``attn_weights.mean(dim=1)``)
 read nest its layers: hidden states are per token, so layer ``l + 1`` can skip the tokens layer ``l``
 dropped only if all heads dropped them. A read that needs only the last position (``summarize``,
 ``ask``, ``needle``) therefore compresses each layer as soon as it has run and hands the next layer
-only the kept tokens (:meth:`kvcli.engine.Engine.forward` with ``last_only``), which is the paper's
-faster prefill. ``heads=kv`` lets each KV head choose alone (its query heads averaged); such a
+only its pivotal contexts (:meth:`kvcli.engine.Engine.forward` with ``last_only``), which is the
+paper's faster prefill. The PvC is the sinks, the recent window and the retained fraction without the
+budget's cap (:meth:`PyramidInfer.passed_count`); the layer stores the first ``kept_count`` of the same
+ranking, so its cache is within its budget and always among its PvC, and PvCs nest layer on layer. ``heads=kv`` lets each KV head choose alone (its query heads averaged); such a
 cache cannot nest and is compressed after the forward, as ``kvcli ppl`` always is.
 """
 
