@@ -182,15 +182,19 @@ class SnapKVRef(Reference):
 
 
 class PyramidInferRef(Reference):
-    def __init__(self, layers, heads, window, gamma, p, decay, min_len, sinks, recent):
+    """Per KV head by default; ``mean`` scores every head with the attention averaged over all query heads
+    (one choice per layer), and ``recent_ratio`` shrinks the window to that fraction of the stream read."""
+
+    def __init__(self, layers, heads, window, gamma, p, decay, min_len, sinks, recent, mean=False, recent_ratio=1.0):
         super().__init__(layers, heads)
         self.window, self.gamma, self.p, self.decay, self.min_len = window, gamma, p, decay, min_len
-        self.sinks, self.recent = sinks, recent
+        self.sinks, self.recent_cap, self.mean, self.recent_ratio = sinks, recent, mean, recent_ratio
         self.retained = [[] for _ in range(layers)]  # selected count per compression, for the retention test
 
     def choose(self, layer, attn, n, budget):
         w = min(self.window, n)
         weight = sum(self.gamma**age for age in range(w)) / w  # mean weight of this block's window queries
+        self.recent = min(self.recent_cap, math.ceil(self.recent_ratio * self.seen))
         context = max(self.seen - self.sinks - self.recent, 0)  # candidates read so far
         target = max(self.min_len, math.ceil(self.p * self.decay**layer * context))
         selected = min(budget - self.sinks - self.recent, target)
@@ -199,6 +203,9 @@ class PyramidInferRef(Reference):
             positions, score = self.pos[layer][h], self.score[layer][h]
             length = len(positions)
             received = summed_over_window(attn, h, length)
+            if self.mean:
+                per_head = [summed_over_window(attn, g, length) for g in range(self.heads)]
+                received = [sum(values[slot] for values in per_head) / self.heads for slot in range(length)]
             for slot, pos in enumerate(positions):
                 score[pos] = score.get(pos, 0.0) * self.gamma**n + weight * received[slot]
             protected = self.protected(length, self.sinks, self.recent)
@@ -290,6 +297,23 @@ def test_pyramidinfer_keeps_a_decaying_fraction(options, cache):
     final = [r[-1] for r in reference.retained]
     assert all(f <= b for f, b in zip(final, budgets, strict=True))
     assert final == sorted(final, reverse=True)
+
+
+@pytest.mark.parametrize("options,cache", [({}, 20), ({"min_len": 2, "decay": 0.7, "recent_ratio": 0.1}, 24),
+                                           ({"recent": 4, "recent_ratio": 0.3, "gamma": 0.8}, 16)])
+def test_pyramidinfer_default_keeps_one_head_averaged_set_per_layer(options, cache):
+    """The paper's defaults in a stream (``ppl``'s path): one set per layer from the attention averaged over
+    every query head, and a recent window of ``recent_ratio`` of the stream read so far."""
+    method = make_method("pyramidinfer", options)
+    budgets = method.layer_budgets(cache, 3)
+    m = method
+    cap = paper_recent(cache, m.sinks) if m.recent is None else m.recent
+    reference = PyramidInferRef(3, 2, m.window, m.gamma, m.p, m.decay, m.min_len, m.sinks, cap, mean=True,
+                                recent_ratio=m.recent_ratio)
+    cache_ = drive(method, reference, budgets, window_of=lambda n: m.window)
+    for layer in range(3):
+        heads = kept_positions(cache_, layer)
+        assert all(h == heads[0] for h in heads)
 
 
 def test_pyramidinfer_retention_binds_below_the_budget():
