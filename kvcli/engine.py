@@ -181,8 +181,9 @@ class Engine:
         ``last_only`` says the caller needs the hidden state of the block's last token only (a read
         for ``summarize``/``ask``/``needle``, never ``ppl``). A method that nests its selection
         (:meth:`Method.nests`, PyramidInfer) then compresses each layer as soon as it has run, and the
-        next layer processes only the tokens it kept (:meth:`nests_here`): the returned hidden states
-        are those of the kept tokens, in stream order, the last row still the block's last token.
+        next layer processes only the tokens the method passes on (:meth:`Method.compress_nested`,
+        :meth:`nests_here`): the returned hidden states are those of the tokens the top layer processed,
+        in stream order, the last row still the block's last token.
         """
         n = ids.shape[1]
         compressing = compress and bool(self.budgets) and bool(self.architecture.budgeted)
@@ -211,12 +212,12 @@ class Engine:
         return self.method.nests() and len(self.architecture.budgeted) == self.num_layers
 
     def _run_nested(self, cache: KVCache, ids: torch.Tensor, done: set[int]) -> torch.Tensor:
-        """One forward in which layer ``l + 1`` processes only the tokens layer ``l`` kept (Algorithm 1
-        of PyramidInfer: ``KV <- PvC``, the authors' code gathers the kept tokens' hidden states).
+        """One forward in which layer ``l + 1`` processes only the tokens layer ``l`` passes on (Algorithm 1
+        of PyramidInfer: ``KV <- PvC``; the authors' code gathers the kept tokens' hidden states).
 
         A forward pre-hook on every decoder layer after the first compresses the layer below (its
-        attention was just recorded), and gathers the per-token inputs of the layer (hidden states,
-        ``position_embeddings``, ``position_ids``) down to the kept tokens of this block; the cache
+        attention was just recorded) and gathers the per-token inputs of the layer (hidden states,
+        ``position_embeddings``, ``position_ids``) down to the block's tokens that go on; the cache
         layers learn which tokens they receive from ``cache.subset`` (their offsets in the block).
         """
         n = ids.shape[1]
