@@ -161,6 +161,16 @@ def test_ppl_never_nests_and_its_numbers_do_not_depend_on_nesting(tiny, monkeypa
     assert run() == allowed
 
 
+def test_nest_false_reads_un_nested_with_the_same_scores(tiny):
+    method = make_method("pyramidinfer", {"nest": False})
+    assert not method.nests()
+    _, plain, every = one_shot(tiny, method, 48, ids_of(200))
+    _, unnested, _ = one_shot(tiny, make_method("pyramidinfer"), 48, ids_of(200), last_only=False)
+    assert every.shape[0] == 200
+    assert [layer.token_idx.tolist() for layer in plain.layers] == [
+        layer.token_idx.tolist() for layer in unnested.layers]
+
+
 def test_per_kv_head_option_is_never_nested(tiny):
     method = make_method("pyramidinfer", {"heads": "kv"})
     assert not method.nests()

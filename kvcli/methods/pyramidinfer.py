@@ -105,6 +105,8 @@ class PyramidInfer(ScoredMethod):
                                      "recent sequence ratio), capped by recent")
     heads: str = param("mean", "mean: one token set per layer from the attention averaged over all query "
                                "heads (the paper; lets reads nest); kv: each KV head chooses alone (never nested)")
+    nest: bool = param(True, "reads that need only the last position hand each layer only the pivotal contexts of "
+                             "the layer below (the paper's prefill); false: every layer processes every token")
 
     def score_window(self, block_len: int) -> int:
         return min(self.window, block_len)
@@ -123,7 +125,7 @@ class PyramidInfer(ScoredMethod):
         check_split(budget, self.sinks, self.recent)
 
     def nests(self) -> bool:
-        return self.heads == "mean"
+        return self.nest and self.heads == "mean"
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         self.validate(budget)
