@@ -116,8 +116,12 @@ class CompressedLayer(CacheLayerMixin):
             return keys, values
         new = key_states.shape[-2]
         heads = key_states.shape[1]
-        positions = torch.arange(owner.block_start, owner.block_start + new, device=self.device)
-        tokens = torch.arange(owner.stream_start, owner.stream_start + new, device=self.device)
+        if owner.subset is None:
+            offsets = torch.arange(new, device=self.device)
+        else:  # a nested forward: this layer sees only the block's tokens the layer below kept
+            offsets = owner.subset.to(self.device)
+        positions = owner.block_start + offsets
+        tokens = owner.stream_start + offsets
         self.keys = torch.cat((self.keys, key_states), dim=-2)
         self.values = values
         self.entry_pos = torch.cat((self.entry_pos, positions.expand(heads, new)), dim=-1)
@@ -211,7 +215,8 @@ class KVCache(Cache):
     """The cache the engine hands to the model: one :class:`CompressedLayer` per decoder layer.
 
     ``block_start`` is the position the next forward's first token gets; ``stream_start`` is that
-    token's index in the whole stream. The engine sets both before each forward. ``inv_freq`` is one
+    token's index in the whole stream. The engine sets both before each forward, and ``subset`` when
+    a layer receives only some of the block's tokens (a nested forward). ``inv_freq`` is one
     tensor of RoPE frequencies for every layer or one per layer; ``windows`` gives each layer's
     attention window (None: full attention).
     """
@@ -228,6 +233,9 @@ class KVCache(Cache):
         self.score_window = 0  # how many of a forward's last queries record their attention
         self.probing = False
         self.keep_positions = False  # True: no re-assignment, a token's position is its index in the stream
+        #: In a nested forward (PyramidInfer, see :meth:`kvcli.engine.Engine.forward`), the offsets in the
+        #: block ``[n_l]`` (ascending) of the tokens the current layer receives; None: every token of the block.
+        self.subset: torch.Tensor | None = None
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:
         """The layer object of decoder layer ``layer_idx``: a subclass may store keys differently (PoD)."""

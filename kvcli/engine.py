@@ -171,7 +171,7 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,
-                compress: bool = True, decoding: bool = False) -> torch.Tensor:
+                compress: bool = True, decoding: bool = False, last_only: bool = False) -> torch.Tensor:
         """Run ``ids`` ``[1, n]`` against ``cache``, compress, and return the last hidden states ``[n, d]``.
 
         Hidden states rather than logits: a 49k-token vocabulary makes the logits of a block the
@@ -180,19 +180,89 @@ class Engine:
         ``probe`` holds query tokens (a question) that join the observation window of every
         compression without entering the cache: query-aware compression. ``decoding`` marks a
         generated token (see :class:`kvcli.cache.LayerView`).
+
+        ``last_only`` says the caller needs the hidden state of the block's last token only (a read
+        for ``summarize``/``ask``/``needle``, never ``ppl``). A method that nests its selection
+        (:meth:`Method.nests`, PyramidInfer) then compresses each layer as soon as it has run, and the
+        next layer processes only the tokens the method passes on (:meth:`Method.compress_nested`,
+        :meth:`nests_here`): the returned hidden states are those of the tokens the top layer processed,
+        in stream order, the last row still the block's last token.
         """
         n = ids.shape[1]
         compressing = compress and bool(self.budgets) and bool(self.architecture.budgeted)
         cache.score_window = self.method.score_window(n) if compressing else 0
-        hidden = self._run(cache, ids, store=True)
+        nested = compressing and last_only and probe is None and not decoding and self.nests_here()
+        done: set[int] = set()
+        if nested:
+            hidden = self._run_nested(cache, ids, done)
+        else:
+            hidden = self._run(cache, ids, store=True)
         cache.stream_start += n  # before the probe, whose queries come after the block
         if probe is not None and cache.score_window:
             self._run(cache, probe, store=False)
         if compressing:
-            self.compress(cache, n, decoding)
+            self.compress(cache, n, decoding, skip=done)
         for layer in cache.layers:
             layer.record = None
         return hidden[0]
+
+    def nests_here(self) -> bool:
+        """Whether a read may run nested on this model: the method nests and every layer is budgeted.
+
+        A layer with an attention window (Gemma 2/3, GPT-OSS, Mistral, Qwen 2's sliding layers) needs
+        the W - 1 consecutive tokens before each query, so a model with one reads un-nested.
+        """
+        return self.method.nests() and len(self.architecture.budgeted) == self.num_layers
+
+    def _run_nested(self, cache: KVCache, ids: torch.Tensor, done: set[int]) -> torch.Tensor:
+        """One forward in which layer ``l + 1`` processes only the tokens layer ``l`` passes on (Algorithm 1
+        of PyramidInfer: ``KV <- PvC``; the authors' code gathers the kept tokens' hidden states).
+
+        A forward pre-hook on every decoder layer after the first compresses the layer below (its
+        attention was just recorded) and gathers the per-token inputs of the layer (hidden states,
+        ``position_embeddings``, ``position_ids``) down to the block's tokens that go on; the cache
+        layers learn which tokens they receive from ``cache.subset`` (their offsets in the block).
+        """
+        n = ids.shape[1]
+        layers = self.decoder.layers
+        state = {"subset": torch.arange(n, device=self.device)}  # offsets in the block the next layer receives
+
+        def before(idx: int):
+            def hook(module, args, kwargs):
+                below = idx - 1
+                layer = cache.layers[below]
+                tokens = layer.token_idx[0]  # before the layer stores its choice
+                view = LayerView(below, self.num_layers, layer, n, layer.record, seen=cache.stream_start + n,
+                                 mean_budget=self.budget)
+                keep, passed = self.method.compress_nested(view, self.budgets[below])
+                if keep is not None:
+                    layer.keep(keep)
+                done.add(below)
+                current = kept = state["subset"]
+                if passed is not None:
+                    offsets = tokens[passed[0]] - cache.stream_start
+                    kept = offsets[offsets >= 0]  # the block's tokens that go on, ascending
+                state["subset"] = cache.subset = kept
+                if kept.shape[0] == n:
+                    return None  # every token goes on: the model's inputs are right as they are
+                # The hidden states hold the tokens the layer below processed (`current`); the model hands
+                # every layer the whole block's positions.
+                rows = torch.searchsorted(current, kept)
+                return _gather_inputs(args, kwargs, rows, kept)
+            return hook
+
+        def first(module, args, kwargs):
+            cache.subset = state["subset"]
+
+        handles = [layers[0].register_forward_pre_hook(first, with_kwargs=True)]
+        handles += [layers[idx].register_forward_pre_hook(before(idx), with_kwargs=True)
+                    for idx in range(1, len(layers))]
+        try:
+            return self._run(cache, ids, store=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+            cache.subset = None
 
     def _run(self, cache: KVCache, ids: torch.Tensor, store: bool) -> torch.Tensor:
         start = cache.next_position()
@@ -242,19 +312,27 @@ class Engine:
                 on_logits(logits - total[:, None], targets[i:i + chunk])
         return out
 
-    def compress(self, cache: KVCache, num_new: int, decoding: bool = False) -> None:
+    def compress(self, cache: KVCache, num_new: int, decoding: bool = False, skip: set[int] = frozenset()) -> None:
         """Let the method shrink every layer the budget governs; a window layer already keeps only its window.
 
         The method sees the budgeted layers numbered among themselves, as it allotted their budgets.
+        ``skip`` holds layers a nested forward compressed already.
         """
+        for idx in self.architecture.budgeted:
+            if idx not in skip:
+                self._compress_layer(cache, idx, num_new, seen=cache.stream_start, decoding=decoding)
+
+    def _compress_layer(self, cache: KVCache, idx: int, num_new: int, seen: int,
+                        decoding: bool = False) -> torch.Tensor | None:
+        """Show the method decoder layer ``idx`` (a budgeted one) and apply its choice; return that choice."""
         budgeted = self.architecture.budgeted
-        for depth, idx in enumerate(budgeted):
-            layer = cache.layers[idx]
-            view = LayerView(depth, len(budgeted), layer, num_new, layer.record, decoding, seen=cache.stream_start,
-                             mean_budget=self.budget)
-            keep = self.method.compress(view, self.budgets[idx])
-            if keep is not None:
-                layer.keep(keep)
+        layer = cache.layers[idx]
+        view = LayerView(budgeted.index(idx), len(budgeted), layer, num_new, layer.record, decoding, seen=seen,
+                         mean_budget=self.budget)
+        keep = self.method.compress(view, self.budgets[idx])
+        if keep is not None:
+            layer.keep(keep)
+        return keep
 
     def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, max_tokens: int | None = None,
               cache: KVCache | None = None, score_from: int = 0,
@@ -359,6 +437,30 @@ class Engine:
             buffer = buffer[stride:]
             begin += stride
         return totals
+
+
+def _gather_inputs(args: tuple, kwargs: dict, rows: torch.Tensor, offsets: torch.Tensor) -> tuple[tuple, dict]:
+    """A decoder layer's inputs cut down to some of the block's tokens, for a nested forward.
+
+    ``rows`` index the incoming hidden states (the tokens the previous layer processed); ``offsets``
+    index the block, which is what the model passes every layer (rotary ``position_embeddings``,
+    ``position_ids``). kvcli's attention builds its own masks, so the model passes no mask to gather.
+    """
+    if kwargs.get("attention_mask") is not None:
+        raise UnsupportedModelError("a nested forward needs kvcli's own masks, but the model passed one")
+    kwargs = dict(kwargs)
+    if args:
+        args = (args[0].index_select(1, rows), *args[1:])
+    else:
+        kwargs["hidden_states"] = kwargs["hidden_states"].index_select(1, rows)
+    cos_sin = kwargs.get("position_embeddings")
+    if cos_sin is not None:
+        kwargs["position_embeddings"] = tuple(part.index_select(1, offsets) for part in cos_sin)
+    for name in ("position_ids", "cache_position"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            kwargs[name] = value.index_select(value.dim() - 1, offsets)
+    return args, kwargs
 
 
 def blocks_of(chunks: Iterable[list[int] | torch.Tensor], size: int,

@@ -9,7 +9,9 @@ The pipeline behind ``kvcli summarize`` and ``kvcli ask`` (and the pass-key grid
   document is streamed in blocks, the cache compressed after each one, and the suffix is passed as a
   *probe* on every block: its queries join the observation window without entering the cache, so
   the method keeps what the question looks at (query-aware compression). The last block carries
-  the suffix itself.
+  the suffix itself. Only the last prompt token's hidden state is used, so every read forward is
+  ``last_only``: a method that nests its layers (PyramidInfer) gives each layer only the tokens the
+  layer below kept (a block with a probe is not nested: the probe scores after the whole block).
 * **write**: tokens are generated one at a time; each is run through :meth:`Engine.forward` alone,
   which compresses with one new token (the method's decoding rule), so the cache stays within the
   per-layer budget at every step of generation too.
@@ -334,7 +336,7 @@ class Reader:
             ids = buffered + suffix
             result.prompt_tokens = len(ids)
             result.document_tokens = len(ids) - len(parts.prefix) - len(suffix)
-            hidden = self._forward(cache, ids, None, result)
+            hidden = self._forward(cache, ids, None, result, last_only=True)
             self._progress(result.prompt_tokens, cache, started)
         else:
             hidden = self._stream(cache, parts, buffered, chunks, result, probe, started)
@@ -353,22 +355,25 @@ class Reader:
                 pending.extend(chunk)
             # Keep at least one token back: the last block goes through with the suffix.
             while len(pending) > block:
-                self._forward(cache, pending[:block], probe_ids, result)
+                self._forward(cache, pending[:block], probe_ids, result, last_only=True)
                 read += block
                 del pending[:block]
                 self._progress(read, cache, started)
         total = read + len(pending) + len(suffix)
         result.prompt_tokens = total
         result.document_tokens = total - len(parts.prefix) - len(suffix)
-        hidden = self._forward(cache, pending + suffix, None, result)
+        hidden = self._forward(cache, pending + suffix, None, result, last_only=True)
         self._progress(total, cache, started)
         return hidden
 
     def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,
-                 decoding: bool = False) -> torch.Tensor:
+                 decoding: bool = False, last_only: bool = False) -> torch.Tensor:
+        """One engine forward; ``last_only``: only the last token's hidden state is used (a read), so a
+        nesting method (PyramidInfer) may skip the hidden states of the tokens a layer drops."""
         if not ids:
             raise KvcliError("the prompt is empty")
-        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe, decoding=decoding)
+        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe, decoding=decoding,
+                                     last_only=last_only)
         result.max_cache_tokens = max(result.max_cache_tokens, cache.max_tokens())
         return hidden
 

@@ -48,10 +48,10 @@ def spy_forward(engine: Engine) -> list[dict]:
     calls: list[dict] = []
     original = engine.forward
 
-    def forward(cache, ids, probe=None, compress=True, decoding=False):
-        hidden = original(cache, ids, probe=probe, compress=compress, decoding=decoding)
+    def forward(cache, ids, probe=None, compress=True, decoding=False, last_only=False):
+        hidden = original(cache, ids, probe=probe, compress=compress, decoding=decoding, last_only=last_only)
         calls.append({"ids": ids[0].tolist(), "probe": None if probe is None else probe[0].tolist(),
-                      "lengths": cache.lengths(), "decoding": decoding})
+                      "lengths": cache.lengths(), "decoding": decoding, "last_only": last_only})
         return hidden
 
     engine.forward = forward

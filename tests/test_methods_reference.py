@@ -182,15 +182,19 @@ class SnapKVRef(Reference):
 
 
 class PyramidInferRef(Reference):
-    def __init__(self, layers, heads, window, gamma, p, decay, min_len, sinks, recent):
+    """Per KV head by default; ``mean`` scores every head with the attention averaged over all query heads
+    (one choice per layer), and ``recent_ratio`` shrinks the window to that fraction of the stream read."""
+
+    def __init__(self, layers, heads, window, gamma, p, decay, min_len, sinks, recent, mean=False, recent_ratio=1.0):
         super().__init__(layers, heads)
         self.window, self.gamma, self.p, self.decay, self.min_len = window, gamma, p, decay, min_len
-        self.sinks, self.recent = sinks, recent
+        self.sinks, self.recent_cap, self.mean, self.recent_ratio = sinks, recent, mean, recent_ratio
         self.retained = [[] for _ in range(layers)]  # selected count per compression, for the retention test
 
     def choose(self, layer, attn, n, budget):
         w = min(self.window, n)
         weight = sum(self.gamma**age for age in range(w)) / w  # mean weight of this block's window queries
+        self.recent = min(self.recent_cap, math.ceil(self.recent_ratio * self.seen))
         context = max(self.seen - self.sinks - self.recent, 0)  # candidates read so far
         target = max(self.min_len, math.ceil(self.p * self.decay**layer * context))
         selected = min(budget - self.sinks - self.recent, target)
@@ -199,6 +203,9 @@ class PyramidInferRef(Reference):
             positions, score = self.pos[layer][h], self.score[layer][h]
             length = len(positions)
             received = summed_over_window(attn, h, length)
+            if self.mean:
+                per_head = [summed_over_window(attn, g, length) for g in range(self.heads)]
+                received = [sum(values[slot] for values in per_head) / self.heads for slot in range(length)]
             for slot, pos in enumerate(positions):
                 score[pos] = score.get(pos, 0.0) * self.gamma**n + weight * received[slot]
             protected = self.protected(length, self.sinks, self.recent)
@@ -276,7 +283,9 @@ def test_pyramidkv_selects_like_snapkv_under_layer_budgets():
     ({"min_len": 3, "decay": 0.5, "recent": 4, "gamma": 0.8}, 16),
     ({"min_len": 0, "decay": 0.9, "sinks": 0, "gamma": 1.0, "window": 3}, 24)])
 def test_pyramidinfer_keeps_a_decaying_fraction(options, cache):
-    method = make_method("pyramidinfer", options)
+    # Per KV head with the budget split's window from the first token: the rule kvcli used before the paper's
+    # head-averaged selection and recent ratio became the defaults (tests/test_pyramidinfer.py tests those).
+    method = make_method("pyramidinfer", {**options, "heads": "kv", "recent_ratio": 1.0})
     budgets = method.layer_budgets(cache, 3)
     assert sum(budgets) == 3 * cache and budgets == sorted(budgets, reverse=True)
     m = method
@@ -290,9 +299,27 @@ def test_pyramidinfer_keeps_a_decaying_fraction(options, cache):
     assert final == sorted(final, reverse=True)
 
 
+@pytest.mark.parametrize("options,cache", [({}, 20), ({"min_len": 2, "decay": 0.7, "recent_ratio": 0.1}, 24),
+                                           ({"recent": 4, "recent_ratio": 0.3, "gamma": 0.8}, 16)])
+def test_pyramidinfer_default_keeps_one_head_averaged_set_per_layer(options, cache):
+    """The paper's defaults in a stream (``ppl``'s path): one set per layer from the attention averaged over
+    every query head, and a recent window of ``recent_ratio`` of the stream read so far."""
+    method = make_method("pyramidinfer", options)
+    budgets = method.layer_budgets(cache, 3)
+    m = method
+    cap = paper_recent(cache, m.sinks) if m.recent is None else m.recent
+    reference = PyramidInferRef(3, 2, m.window, m.gamma, m.p, m.decay, m.min_len, m.sinks, cap, mean=True,
+                                recent_ratio=m.recent_ratio)
+    cache_ = drive(method, reference, budgets, window_of=lambda n: m.window)
+    for layer in range(3):
+        heads = kept_positions(cache_, layer)
+        assert all(h == heads[0] for h in heads)
+
+
 def test_pyramidinfer_retention_binds_below_the_budget():
     # A large budget: the cache holds ceil(p * decay**l * context) selected tokens, not the budget.
-    method = make_method("pyramidinfer", {"min_len": 1, "decay": 0.5, "p": 1.0, "sinks": 0, "recent": 2})
+    method = make_method("pyramidinfer", {"min_len": 1, "decay": 0.5, "p": 1.0, "sinks": 0, "recent": 2, "heads": "kv",
+                                          "recent_ratio": 1.0})
     reference = PyramidInferRef(2, 2, 32, 0.97, 1.0, 0.5, 1, 0, 2)
     cache = drive(method, reference, [200, 200], window_of=lambda n: 32, steps=[16, 8, 1, 1])
     seen = 26

@@ -66,6 +66,20 @@ class Method:
         """Indices ``[H_kv, k]`` (ascending) of the tokens to keep, or None to keep all."""
         return None
 
+    def nests(self) -> bool:
+        """Whether a read that needs only its last position may compress each layer as soon as it has
+        run and give the next layer only the kept tokens (PyramidInfer's nested selection). Only a
+        method that keeps one token set per layer, shared by its KV heads, can: hidden states are per
+        token. See :meth:`kvcli.engine.Engine.forward`."""
+        return False
+
+    def compress_nested(self, view: LayerView, budget: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """In a nested forward: the tokens the layer stores (as :meth:`compress`) and the tokens whose hidden
+        states go on to the next layer (indices ``[H_kv, k]`` into the layer before it stores; None: all).
+        By default the next layer gets what this one stores."""
+        keep = self.compress(view, budget)
+        return keep, keep
+
     def settings(self) -> dict:
         """This instance's parameter values by name: what results record so a run can be reproduced."""
         return dataclasses.asdict(self)

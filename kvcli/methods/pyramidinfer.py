@@ -34,7 +34,20 @@ whose weight is below ``gamma**recent``, and the ranking is that of the weighted
 Defaults where the paper's Algorithm 1 gives no number: L = 32 queries, gamma = 0.97, p = 1
 (layer 0 keeps the whole stream until its budget caps it), decay = 0.95 per layer (0.95**31 = 0.2
 at the top of a 32-layer model) and min_len = 64 (the authors' released configuration uses a
-minimum context length of 64). Selection is per KV head, with the query heads of a GQA group averaged.
+minimum context length of 64). The recent window is ``recent_ratio`` (default 0.2, the authors'
+released default) of the stream read so far, capped by the budget split's window (``recent``).
+
+Heads. By default (``heads=mean``) a layer keeps one token set, scored by the attention averaged over
+all its query heads, as the paper and its code do (``attn_weights.mean(dim=1)``). That is what lets a
+read nest its layers: hidden states are per token, so layer ``l + 1`` can skip the tokens layer ``l``
+dropped only if all heads dropped them. A read that needs only the last position (``summarize``,
+``ask``, ``needle``) therefore compresses each layer as soon as it has run and hands the next layer
+only its pivotal contexts (:meth:`kvcli.engine.Engine.forward` with ``last_only``), which is the
+paper's faster prefill. The PvC is the sinks, the recent window and the retained fraction without the
+budget's cap (:meth:`PyramidInfer.passed_count`); the layer stores the first ``kept_count`` of the same
+ranking, so its cache is within its budget and always among its PvC, and PvCs nest layer on layer.
+``heads=kv`` lets each KV head choose alone (its query heads averaged); such a cache cannot nest and
+is compressed after the forward, as ``kvcli ppl`` always is.
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ import torch
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import AUTO_RECENT_HELP, ScoredMethod, Split, check_split, group_mean, param
+from kvcli.methods.base import ScoredMethod, Split, check_split, group_mean, param, recent_and_sinks, select_top
 from kvcli.methods.pyramidkv import apportion
 from kvcli.methods.registry import register
 
@@ -68,6 +81,9 @@ def window_weight(window: int, gamma: float) -> float:
     return sum(gamma**age for age in range(window)) / window
 
 
+HEADS = ("mean", "kv")
+
+
 @register
 @dataclass
 class PyramidInfer(ScoredMethod):
@@ -75,14 +91,22 @@ class PyramidInfer(ScoredMethod):
     keeps_positions = True
     description = ("Keep the tokens the recent queries attend to most (recency-weighted): a fraction "
                    "p * decay**l of the stream in layer l (at least min_len), under budgets decaying "
-                   "geometrically with depth.")
+                   "geometrically with depth; a read nests the layers (each processes only what the one "
+                   "below kept).")
     window: int = param(32, "recent queries L whose attention scores the cache")
     gamma: float = param(0.97, "weight ratio per query of age: a query d steps older weighs gamma**d")
     p: float = param(1.0, "fraction of the stream layer 0 retains (before the budget caps it)")
     decay: float = param(0.95, "per-layer ratio of both the retained fraction and the budget")
     min_len: int = param(64, "min PvC length N_l: selected tokens a layer always keeps (budget allowing)")
     sinks: int = param(4, "initial tokens always kept (attention sinks)")
-    recent: int | None = param(None, AUTO_RECENT_HELP)
+    recent: int | None = param(None, "most recent tokens kept at most (auto: cache - sinks - cache // 2; "
+                                     "4 + 508 + 512 at 1024); recent_ratio may keep fewer")
+    recent_ratio: float = param(0.2, "recent window as a fraction of the stream read so far (the paper's "
+                                     "recent sequence ratio), capped by recent")
+    heads: str = param("mean", "mean: one token set per layer from the attention averaged over all query "
+                               "heads (the paper; lets reads nest); kv: each KV head chooses alone (never nested)")
+    nest: bool = param(True, "reads that need only the last position hand each layer only the pivotal contexts of "
+                             "the layer below (the paper's prefill); false: every layer processes every token")
 
     def score_window(self, block_len: int) -> int:
         return min(self.window, block_len)
@@ -90,13 +114,18 @@ class PyramidInfer(ScoredMethod):
     def validate(self, budget: int) -> None:
         if self.window < 1:
             raise UsageError("window must be at least 1")
-        for key in ("gamma", "p", "decay"):
+        for key in ("gamma", "p", "decay", "recent_ratio"):
             value = getattr(self, key)
             if not 0 < value <= 1:
                 raise UsageError(f"{key} must be in (0, 1] (got {value})")
         if self.min_len < 0:
             raise UsageError("min_len must be >= 0")
+        if self.heads not in HEADS:
+            raise UsageError(f"heads must be one of {', '.join(HEADS)} (got {self.heads!r})")
         check_split(budget, self.sinks, self.recent)
+
+    def nests(self) -> bool:
+        return self.nest and self.heads == "mean"
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         self.validate(budget)
@@ -110,18 +139,40 @@ class PyramidInfer(ScoredMethod):
         return max(self.min_len, math.ceil(fraction * max(seen - self.sinks - recent, 0)))
 
     def kept_recent(self, view: LayerView, budget: int) -> int:
-        """Resolved from the average budget, not from the layer's: every layer keeps the same window."""
-        return Split.of(view.mean_budget or budget, self.sinks, self.recent).recent
+        """``recent_ratio`` of the stream read so far, at most the window of the average budget's split
+        (resolved from the average budget, not from the layer's: every layer keeps the same window)."""
+        cap = Split.of(view.mean_budget or budget, self.sinks, self.recent).recent
+        return min(cap, math.ceil(self.recent_ratio * view.seen))
 
     def kept_count(self, view: LayerView, budget: int) -> int:
         recent = self.kept_recent(view, budget)
         selected = min(budget - self.sinks - recent, self.retention(view.layer_idx, view.seen, recent))
         return min(view.length, self.sinks + recent) + selected
 
+    def passed_count(self, view: LayerView, budget: int) -> int:
+        """The layer's pivotal contexts (PvC): sinks, recent window and the retained fraction, with no
+        budget cap. A nested read hands their hidden states to the next layer; the layer itself stores the
+        first :meth:`kept_count` of them (the same ranking), so what it stores is always among them."""
+        recent = self.kept_recent(view, budget)
+        return min(view.length, self.sinks + recent) + self.retention(view.layer_idx, view.seen, recent)
+
+    def compress_nested(self, view: LayerView, budget: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        self.observe(view)
+        length = view.length
+        stored, passed = self.kept_count(view, budget), self.passed_count(view, budget)
+        if length <= stored:
+            return None, None
+        scores = self.score(view)
+        protected = recent_and_sinks(length, self.sinks, self.kept_recent(view, budget), scores.device)
+        keep = select_top(scores, protected, stored).expand(view.num_heads, stored)
+        return keep, (None if passed >= length else select_top(scores, protected, passed))
+
     def observe(self, view: LayerView) -> None:
         record = view.record
         if record is not None:
             fresh = group_mean(record.probs)[:, :view.length]
+            if self.heads == "mean":  # every query head alike (the KV heads' groups are equal in size)
+                fresh = fresh.mean(dim=0, keepdim=True).expand_as(fresh)
             decayed = view.per_token(STATE) * self.gamma**view.num_new
             view.set_per_token(STATE, decayed + window_weight(record.window, self.gamma) * fresh)
 
