@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -404,16 +404,20 @@ class Engine:
 
 
     def score_sliding(self, token_chunks: Iterable[list[int] | torch.Tensor], context: int, stride: int, *,
-                      on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+                      lead: Sequence[int] = (), on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
                       on_logits: LogitsHook | None = None) -> StreamTotals:
         """The papers' sliding-window protocol (TreeKV Table 1, Hugging Face's perplexity guide).
 
         Windows of ``context`` tokens start every ``stride`` tokens; each is streamed from an empty
         cache and only the tokens not scored by an earlier window count (the last ``stride`` ones,
         all of them for the first window). Only the current window is held in memory.
+
+        ``lead`` (the tokenizer's BOS, when the stream starts with it) begins every window after the
+        first too, read but never scored, so that each window starts as a document does: Gemma's
+        perplexity without a BOS in front is about 20 % worse, which would handicap the reference.
         """
-        if stride < 1 or context < stride:
-            raise ValueError("need 1 <= stride <= context")
+        if stride < 1 or context < stride or context - len(lead) < 2:
+            raise ValueError("need 1 <= stride <= context, and room for two tokens after the lead")
         totals = StreamTotals()
         source = iter(chunk.tolist() if isinstance(chunk, torch.Tensor) else list(chunk) for chunk in token_chunks)
         buffer: list[int] = []  # tokens from stream index `begin` on
@@ -425,14 +429,16 @@ class Engine:
                     buffer.extend(next(source))
                 except StopIteration:
                     exhausted = True
-            window = buffer[:context]
-            if len(window) < 2 or (scored_end > 0 and begin + len(window) <= scored_end):
+            head = list(lead) if begin > 0 else []
+            body = buffer[:context - len(head)]
+            if len(body) < 2 or (scored_end > 0 and begin + len(body) <= scored_end):
                 break
-            part = self.score([window], score_from=scored_end - begin, on_block=on_block, on_logits=on_logits)
+            part = self.score([head + body], score_from=scored_end - begin + len(head), on_block=on_block,
+                              on_logits=on_logits)
             totals.add(part)
             totals.blocks.extend(part.blocks)
-            scored_end = begin + len(window)
-            if part.interrupted or (exhausted and len(buffer) <= context):
+            scored_end = begin + len(body)
+            if part.interrupted or (exhausted and len(buffer) <= len(body)):
                 break
             buffer = buffer[stride:]
             begin += stride

@@ -21,7 +21,7 @@ from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals, kv_bytes_
 from kvcli.errors import UsageError
 from kvcli.models import LoadedModel
 from kvcli.report import peak_memory_bytes, reset_peak_memory
-from kvcli.text import Document, TokenChunk, TokenFeed, iter_tokens, token_stream
+from kvcli.text import Document, TokenChunk, TokenFeed, iter_tokens, leading_special_tokens, token_stream
 
 
 @dataclass
@@ -97,7 +97,8 @@ def evaluate(
     def run(chunks: Iterable[TokenChunk], limit: int | None) -> StreamTotals:
         feed = TokenFeed(chunks, tokenizer, limit)
         if context is not None:
-            totals = engine.score_sliding(feed, context, stride or context, on_block=on_block, on_logits=on_logits)
+            totals = engine.score_sliding(feed, context, stride or context, lead=leading_special_tokens(tokenizer),
+                                          on_block=on_block, on_logits=on_logits)
         elif checkpoint is not None:
             state = checkpoint.load(engine) if resume else None
             tokens = skip_tokens(feed, state.position) if state else feed

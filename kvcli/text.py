@@ -391,6 +391,12 @@ def _encode(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]
     return list(encoding["input_ids"]), [tuple(span) for span in encoding["offset_mapping"]]
 
 
+def leading_special_tokens(tokenizer: Any) -> list[int]:
+    """The special tokens the tokenizer puts before a text (a BOS, or nothing): what starts every
+    document of a token stream, and every window of ``kvcli ppl --context``."""
+    return _special_affixes(tokenizer)[0]
+
+
 def _special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
     """The special tokens the tokenizer puts before and after a text (BOS, EOS, CLS, ...).
 

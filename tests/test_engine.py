@@ -72,6 +72,34 @@ def test_sliding_window_matches_the_reference_loop(model):
     assert totals.nll_sum == pytest.approx(expected, rel=1e-5)
 
 
+def test_sliding_windows_after_the_first_start_with_the_lead(model):
+    """With a lead (the tokenizer's BOS) every later window is ``lead + context - 1 tokens``, the lead read but
+    never scored, and every stream token after the first is still scored exactly once."""
+    ids = torch.randint(1, 96, (130,), generator=torch.Generator().manual_seed(4)).tolist()
+    stream = [0] + ids  # the document starts with its BOS, id 0
+    engine = Engine(model, make_method("full"), None, block=16)
+    windows = []
+    original = engine.score
+
+    def spy(chunks, **kwargs):
+        windows.append((list(chunks[0]), kwargs["score_from"]))
+        return original(chunks, **kwargs)
+
+    engine.score = spy
+    totals = engine.score_sliding([stream], 48, 20, lead=[0])
+    assert totals.tokens == len(stream) - 1
+    assert windows[0] == (stream[:48], 0)
+    for k, (window, score_from) in enumerate(windows[1:], start=1):
+        assert window[0] == 0 and window[1:] == stream[20 * k:20 * k + 47]
+    expected = 0.0
+    for window, score_from in windows:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([window])).logits[0]
+        nll = F.cross_entropy(logits[:-1].float(), torch.tensor(window[1:]), reduction="none")
+        expected += nll[max(score_from, 1) - 1:].sum().item()
+    assert totals.nll_sum == pytest.approx(expected, rel=1e-4)
+
+
 def test_streamingllm_keeps_sinks_and_recent_and_stays_bounded(model):
     engine = Engine(model, make_method("streamingllm", {"sinks": "3"}), 32, block=10)
     cache = engine.new_cache()
