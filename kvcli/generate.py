@@ -362,7 +362,10 @@ class Reader:
         total = read + len(pending) + len(suffix)
         result.prompt_tokens = total
         result.document_tokens = total - len(parts.prefix) - len(suffix)
-        hidden = self._forward(cache, pending + suffix, None, result, last_only=True)
+        # The question ends this block, yet it goes as a probe too: every compression of a streamed read,
+        # this last one included, is then scored by the question's own queries in the same way (TreeKV's
+        # guard needs them apart from the text's: without them its last sweep splits the digits of a key).
+        hidden = self._forward(cache, pending + suffix, probe_ids, result, last_only=True)
         self._progress(total, cache, started)
         return hidden
 
