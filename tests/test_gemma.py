@@ -53,3 +53,22 @@ def test_compressing_methods_keep_windows_and_budget(gemma, alice, name):
     assert [lengths[i] for i in engine.architecture.budgeted] == [256, 256, 256]
     assert all(lengths[i] == 511 for i in range(18) if i not in engine.architecture.budgeted)
     assert totals.max_cache_tokens == 256
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "treekv", "snapkv", "pyramidkv"])
+def test_summarize_streams_a_document_and_writes_within_budget(gemma, books, name):
+    """`kvcli summarize` with Gemma 3: a document read in blocks (3k tokens, cache 256, the chat template's
+    end-of-turn stops it), every budgeted layer within budget while reading and writing."""
+    from kvcli.generate import TEMPLATES, Reader, build_prompt, document_tokens, stop_token_ids
+    from kvcli.text import open_source
+
+    engine = Engine(gemma.model, make_method(name), 256, block=256)
+    tokenizer = gemma.tokenizer
+    parts = build_prompt(tokenizer, TEMPLATES["summary"])
+    ids = [t for chunk in document_tokens(open_source(str(books / "pg11-alice-in-wonderland.txt")), tokenizer)
+           for t in chunk][:3000]
+    reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, gemma.model))
+    gen = reader.run(parts, [ids], 16, one_shot=False)
+    assert not gen.one_shot and gen.document_tokens == 3000
+    assert gen.max_cache_tokens <= max(engine.budgets[i] for i in engine.architecture.budgeted)
+    assert gen.ids and gen.text.strip()
