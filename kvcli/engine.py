@@ -231,7 +231,7 @@ class Engine:
             def hook(module, args, kwargs):
                 below = idx - 1
                 layer = cache.layers[below]
-                tokens = layer.token_idx[0]  # before the layer stores its choice
+                tokens = layer.token_idx  # [H, T], before the layer stores its choice
                 view = LayerView(below, self.num_layers, layer, n, layer.record, seen=cache.stream_start + n,
                                  mean_budget=self.budget)
                 keep, passed = self.method.compress_nested(view, self.budgets[below])
@@ -239,8 +239,8 @@ class Engine:
                     layer.keep(keep)
                 done.add(below)
                 current = kept = state["subset"]
-                if passed is not None:
-                    offsets = tokens[passed[0]] - cache.stream_start
+                if passed is not None:  # a token goes on when any KV head passes it (hidden states are per token)
+                    offsets = torch.unique(tokens.gather(1, passed)) - cache.stream_start
                     kept = offsets[offsets >= 0]  # the block's tokens that go on, ascending
                 state["subset"] = cache.subset = kept
                 if kept.shape[0] == n:

@@ -171,20 +171,25 @@ def test_nest_false_reads_un_nested_with_the_same_scores(tiny):
         layer.token_idx.tolist() for layer in unnested.layers]
 
 
-def test_per_kv_head_option_is_never_nested(tiny):
-    method = make_method("pyramidinfer", {"heads": "kv"})
-    assert not method.nests()
+def test_per_kv_head_selection_nests_by_the_union_of_the_heads(tiny):
+    """With heads=kv each KV head keeps its own tokens; the next layer processes every token some head of
+    the layer below passed on, so what any head of a layer keeps was processed by the layer below."""
+    method = make_method("pyramidinfer", {"heads": "kv", "min_len": 4})
+    assert method.nests()
     engine, cache, hidden = one_shot(tiny, method, 48, ids_of(200))
-    assert hidden.shape[0] == 200  # every token went through every layer
+    assert hidden.shape[0] < 200  # the top layer processed fewer tokens than the prompt
     kept = cache.layers[2].token_idx
     assert kept.shape[0] == 2 and kept[0].tolist() != kept[1].tolist()  # each KV head chose alone
     assert all(length <= budget for length, budget in zip(cache.lengths(), engine.budgets, strict=True))
+    _, plain, _ = one_shot(tiny, make_method("pyramidinfer", {"heads": "kv", "min_len": 4, "nest": False}), 48,
+                           ids_of(200), last_only=False)
+    assert cache.layers[0].token_idx.tolist() == plain.layers[0].token_idx.tolist()  # layer 0 saw everything
 
 
 @pytest.mark.parametrize("probe", [False, True])
 def test_a_streamed_read_nests_its_blocks_unless_a_probe_scores_them(tiny, probe, monkeypatch):
     """A streamed read nests every block when no question is probed (only the last position is used);
-    with a probe the blocks are compressed after the probe has run, un-nested."""
+    with a probe every block, the last included, is compressed after the probe has run, un-nested."""
     calls = []
     original = Engine._run_nested
     monkeypatch.setattr(Engine, "_run_nested", lambda self, *a: calls.append(1) or original(self, *a))
@@ -198,7 +203,7 @@ def test_a_streamed_read_nests_its_blocks_unless_a_probe_scores_them(tiny, probe
     hidden = reader.read(cache, PromptParts([1], [2, 3, 4], chat=False), doc, result, one_shot=False, probe=probe)
     assert hidden.shape[0] == 1 and not result.one_shot
     blocks = math.ceil((1 + 150 + 3) / 32)
-    assert len(calls) == (1 if probe else blocks)  # with a probe only the last block (no probe) nests
+    assert len(calls) == (0 if probe else blocks)  # the question probes every block, the last one too
     assert all(length <= budget for length, budget in zip(cache.lengths(), engine.budgets, strict=True))
     last = cache.stream_start - 1
     assert all(last in layer.token_idx[0].tolist() for layer in cache.layers)

@@ -68,9 +68,9 @@ class Method:
 
     def nests(self) -> bool:
         """Whether a read that needs only its last position may compress each layer as soon as it has
-        run and give the next layer only the kept tokens (PyramidInfer's nested selection). Only a
-        method that keeps one token set per layer, shared by its KV heads, can: hidden states are per
-        token. See :meth:`kvcli.engine.Engine.forward`."""
+        run and give the next layer only the tokens it passes on (PyramidInfer's nested selection).
+        Hidden states are per token, so where KV heads choose apart the next layer gets the union of
+        what they pass. See :meth:`kvcli.engine.Engine.forward`."""
         return False
 
     def compress_nested(self, view: LayerView, budget: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -60,7 +60,16 @@ import torch
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import ScoredMethod, Split, check_split, group_mean, param, recent_and_sinks, select_top
+from kvcli.methods.base import (
+    ScoredMethod,
+    Split,
+    check_split,
+    group_mean,
+    param,
+    pool_scores,
+    recent_and_sinks,
+    select_top,
+)
 from kvcli.methods.pyramidkv import apportion
 from kvcli.methods.registry import register
 
@@ -105,6 +114,8 @@ class PyramidInfer(ScoredMethod):
                                      "recent sequence ratio), capped by recent")
     heads: str = param("mean", "mean: one token set per layer from the attention averaged over all query "
                                "heads (the paper; lets reads nest); kv: each KV head chooses alone (never nested)")
+    kernel: int = param(1, "max-pooling width (odd) of the scores along the sequence before TopP; 1 = none (the "
+                           "paper); 15 keeps a number's neighbouring digits, as SnapKV's pooling does")
     nest: bool = param(True, "reads that need only the last position hand each layer only the pivotal contexts of "
                              "the layer below (the paper's prefill); false: every layer processes every token")
 
@@ -120,12 +131,14 @@ class PyramidInfer(ScoredMethod):
                 raise UsageError(f"{key} must be in (0, 1] (got {value})")
         if self.min_len < 0:
             raise UsageError("min_len must be >= 0")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise UsageError(f"kernel must be an odd number >= 1 (got {self.kernel})")
         if self.heads not in HEADS:
             raise UsageError(f"heads must be one of {', '.join(HEADS)} (got {self.heads!r})")
         check_split(budget, self.sinks, self.recent)
 
     def nests(self) -> bool:
-        return self.nest and self.heads == "mean"
+        return self.nest
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         self.validate(budget)
@@ -177,4 +190,4 @@ class PyramidInfer(ScoredMethod):
             view.set_per_token(STATE, decayed + window_weight(record.window, self.gamma) * fresh)
 
     def score(self, view: LayerView) -> torch.Tensor:
-        return view.per_token(STATE)
+        return pool_scores(view.per_token(STATE), self.kernel, "max")
