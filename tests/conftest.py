@@ -87,6 +87,20 @@ TEXT = ("Alice was beginning to get very tired of sitting by her sister on the b
         "do: once or twice she had peeped into the book her sister was reading. ") * 12
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """A 4-layer random Llama, run on one thread: a tiny model gains nothing from more, and on a busy
+    2-core machine the thread pool's barriers turn milliseconds into seconds."""
+    import torch
+
+    from kvcli.models import tiny_llama
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_llama(num_layers=4)
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def invoke():
     """``invoke("ppl", BOOK, ...)`` runs kvcli in-process as a user would: results on ``stdout``, one-line

@@ -91,6 +91,7 @@ def test_sliding_windows_after_the_first_start_with_the_lead(model):
     assert windows[0] == (stream[:48], 0)
     for k, (window, score_from) in enumerate(windows[1:], start=1):
         assert window[0] == 0 and window[1:] == stream[20 * k:20 * k + 47]
+        assert score_from == (29 if k == 1 else 28)  # the first token after the last window's, the lead counted
     expected = 0.0
     for window, score_from in windows:
         with torch.no_grad():

@@ -375,18 +375,6 @@ def test_pyramidinfer_budget_sequence(decay, layers, cache):
 # --- the real engine on a tiny Llama ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvcli.models import tiny_llama
-
-    # One thread: a tiny model gains nothing from more, and on a busy 2-core machine the thread
-    # pool's barriers turn milliseconds into seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_llama(num_layers=4)
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "h2o", "tova", "pyramidinfer"])
 @pytest.mark.parametrize("block", [1, 16])
 def test_engine_stays_within_every_layer_budget(tiny, name, block):

@@ -20,16 +20,6 @@ from kvcli.generate import PromptParts, Reader
 from kvcli.methods import make_method
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from kvcli.models import tiny_llama
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_llama(num_layers=4)
-    torch.set_num_threads(threads)
-
-
 def ids_of(n: int, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
