@@ -318,21 +318,16 @@ class Engine:
         The method sees the budgeted layers numbered among themselves, as it allotted their budgets.
         ``skip`` holds layers a nested forward compressed already.
         """
-        for idx in self.architecture.budgeted:
-            if idx not in skip:
-                self._compress_layer(cache, idx, num_new, seen=cache.stream_start, decoding=decoding)
-
-    def _compress_layer(self, cache: KVCache, idx: int, num_new: int, seen: int,
-                        decoding: bool = False) -> torch.Tensor | None:
-        """Show the method decoder layer ``idx`` (a budgeted one) and apply its choice; return that choice."""
         budgeted = self.architecture.budgeted
-        layer = cache.layers[idx]
-        view = LayerView(budgeted.index(idx), len(budgeted), layer, num_new, layer.record, decoding, seen=seen,
-                         mean_budget=self.budget)
-        keep = self.method.compress(view, self.budgets[idx])
-        if keep is not None:
-            layer.keep(keep)
-        return keep
+        for depth, idx in enumerate(budgeted):
+            if idx in skip:
+                continue
+            layer = cache.layers[idx]
+            view = LayerView(depth, len(budgeted), layer, num_new, layer.record, decoding, seen=cache.stream_start,
+                             mean_budget=self.budget)
+            keep = self.method.compress(view, self.budgets[idx])
+            if keep is not None:
+                layer.keep(keep)
 
     def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, max_tokens: int | None = None,
               cache: KVCache | None = None, score_from: int = 0,
@@ -413,8 +408,8 @@ class Engine:
         all of them for the first window). Only the current window is held in memory.
 
         ``lead`` (the tokenizer's BOS, when the stream starts with it) begins every window after the
-        first too, read but never scored, so that each window starts as a document does: Gemma's
-        perplexity without a BOS in front is about 20 % worse, which would handicap the reference.
+        first too, read but never scored, so that each window starts as a document does: a model
+        trained with a BOS in front (Gemma) scores much worse without it (docs/results.md).
         """
         if stride < 1 or context < stride or context - len(lead) < 2:
             raise ValueError("need 1 <= stride <= context, and room for two tokens after the lead")

@@ -167,8 +167,8 @@ class TreeKV(Method):
 
         The question's attention to the region, max-pooled over ``kernel`` neighbours so that a peak
         guards its span, picks the top ``guard`` tokens per KV head (at most half the selected part,
-        so the sweep still has room); ties go to the earlier token, as in :func:`select_top`. The
-        default is that half at cache 1024: a guard of 64 left the key in only 3-4 of 30 layers.
+        so the sweep still has room); ties go to the earlier token, as in :func:`select_top`. How
+        large it must be is measured in docs/reading.md.
         """
         record = view.record
         count = min(self.guard, selected // 2)
