@@ -28,7 +28,7 @@ import torch
 
 from kvcli.cache import LayerView
 from kvcli.errors import UsageError
-from kvcli.methods.base import Method, Split, check_budget, group_mean, param, pool_scores
+from kvcli.methods.base import Method, Split, check_budget, group_mean, param, pool_scores, select_top
 from kvcli.methods.registry import register
 
 AUTO_TREE_BLOCK = 16  # unit of block-level eviction when tree_block=0 and a call prefills an empty cache
@@ -175,8 +175,7 @@ class TreeKV(Method):
         if record is None or record.probe is None or count < 1:
             return None
         probe = pool_scores(group_mean(record.probe)[:, lo:hi].float(), self.kernel, "max")
-        order = torch.sort(probe, dim=-1, descending=True, stable=True).indices[:, :count]
-        return order.sort(dim=-1).values
+        return select_top(probe, torch.zeros(hi - lo, dtype=torch.bool, device=probe.device), count)
 
     @staticmethod
     def is_prefill(view: LayerView) -> bool:
