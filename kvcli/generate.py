@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcli.engine import Engine
+from kvcli.engine import Engine, kv_bytes_per_token
 from kvcli.errors import KvcliError
 
 #: Stands in for the document when the chat template is rendered; split on to find prefix and suffix.
@@ -247,19 +247,16 @@ class Generation:
         return self.read_seconds + self.write_seconds
 
 
-def prefill_bytes_per_token(config, dtype: torch.dtype) -> int:
+def prefill_bytes_per_token(model, dtype: torch.dtype) -> int:
     """Memory one prompt token holds during a one-shot forward pass on a GPU: its keys and values in
-    every layer (the method compresses only after the pass) and its share of one layer's activations
-    (a few hidden-size vectors and the MLP's two intermediate ones). SDPA's attention is linear in
-    memory there, and the observation window is scored in bounded chunks."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    every layer (:func:`kvcli.engine.kv_bytes_per_token`: the method compresses only after the pass) and
+    its share of one layer's activations (a few hidden-size vectors and the MLP's two intermediate ones).
+    SDPA's attention is linear in memory there, and the observation window is scored in bounded chunks."""
+    config = model.config
+    hidden = int(config.hidden_size)
     intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
     size = torch.empty((), dtype=dtype).element_size()
-    return size * (2 * layers * kv_heads * head_dim + 4 * hidden + 2 * intermediate)
+    return kv_bytes_per_token(model, dtype) + size * (4 * hidden + 2 * intermediate)
 
 
 def one_shot_cap(engine: Engine, free_bytes: int | None = None) -> int:
@@ -272,7 +269,7 @@ def one_shot_cap(engine: Engine, free_bytes: int | None = None) -> int:
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0]
     dtype = next(engine.model.parameters()).dtype
-    tokens = int(ONE_SHOT_MEMORY_SHARE * free_bytes) // prefill_bytes_per_token(engine.model.config, dtype)
+    tokens = int(ONE_SHOT_MEMORY_SHARE * free_bytes) // prefill_bytes_per_token(engine.model, dtype)
     return tokens // 1024 * 1024
 
 

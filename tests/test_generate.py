@@ -328,10 +328,10 @@ def test_one_shot_cap_follows_the_gpus_free_memory():
     from kvcli.generate import ONE_SHOT_CAP, one_shot_cap, one_shot_limit, prefill_bytes_per_token
 
     config = shape_config("llama-3.1-8b")
-    per_token = prefill_bytes_per_token(config, torch.bfloat16)
-    assert per_token == 2 * (2 * 32 * 8 * 128 + 4 * 4096 + 2 * 14336)
     weights = torch.nn.Linear(1, 1, dtype=torch.bfloat16, device="meta")
     model = SimpleNamespace(config=config, parameters=weights.parameters)
+    per_token = prefill_bytes_per_token(model, torch.bfloat16)
+    assert per_token == 2 * (2 * 32 * 8 * 128 + 4 * 4096 + 2 * 14336)
     gpu = SimpleNamespace(device=torch.device("cuda"), model=model, trained_context=131072)
     assert one_shot_cap(gpu, free_bytes=60 * 2**30) == (30 * 2**30 // per_token) // 1024 * 1024 == 145408
     assert one_shot_cap(gpu, free_bytes=4 * 2**30) == 9216
