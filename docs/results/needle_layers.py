@@ -1,6 +1,6 @@
 """Which layers still hold a streamed pass key: per layer and KV head, the key's digit tokens left in the cache.
 
-    OMP_NUM_THREADS=1 python docs/results/needle_layers.py ../shared/data/books/pg345-dracula.txt treekv 1 25000 guard=64
+    OMP_NUM_THREADS=1 python docs/results/needle_layers.py BOOK treekv 1 25000 guard=64
 
 Arguments: book, method, depth index into the default depths (10, 30, 50, 70, 90 %), haystack length, then
 ``-o`` options as KEY=VALUE. The haystack and key are those of ``kvcli needle --trials 1`` (seed 0); the read
