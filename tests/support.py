@@ -7,6 +7,8 @@ kept stream positions with a literal re-implementation of the paper.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvcli.cache import AttentionRecord, KVCache, LayerView
@@ -46,3 +48,20 @@ def compress_step(cache: KVCache, method, budget: int, num_new: int, probs: list
 def kept_positions(cache: KVCache, layer: int = 0) -> list[list[int]]:
     """Stream positions each KV head of ``layer`` holds, in cache order."""
     return cache.layers[layer].token_idx.tolist()
+
+
+def retained_fraction(p: float, decay: float, layer: int, layers: int, schedule: str) -> float:
+    """PyramidInfer's retained fraction of layer ``layer``, literally: p times one ratio per layer above 0,
+    ``decay`` each (geometric) or eased from 1 to ``decay`` along a half cosine (cosine)."""
+    if schedule == "geometric":
+        return p * decay**layer
+    fraction = p
+    for i in range(layer + 1):
+        fraction *= decay + (1 - decay) * (1 + math.cos(math.pi * i / layers)) / 2
+    return fraction
+
+
+def max_pooled(scores: list[float], kernel: int) -> list[float]:
+    """Each score replaced by the largest within ``kernel // 2`` places on either side (edges ignored)."""
+    half = kernel // 2
+    return [max(scores[max(0, i - half):i + half + 1]) for i in range(len(scores))]

@@ -15,7 +15,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from support import append_tokens, kept_positions, make_cache
+from support import append_tokens, kept_positions, make_cache, max_pooled, retained_fraction
 
 from kvcli.cache import AttentionRecord, LayerView
 from kvcli.errors import UsageError
@@ -185,8 +185,10 @@ class PyramidInferRef(Reference):
     """Per KV head by default; ``mean`` scores every head with the attention averaged over all query heads
     (one choice per layer), and ``recent_ratio`` shrinks the window to that fraction of the stream read."""
 
-    def __init__(self, layers, heads, window, gamma, p, decay, min_len, sinks, recent, mean=False, recent_ratio=1.0):
+    def __init__(self, layers, heads, window, gamma, p, decay, min_len, sinks, recent, mean=False, recent_ratio=1.0,
+                 kernel=1, schedule="geometric"):
         super().__init__(layers, heads)
+        self.layers, self.kernel, self.schedule = layers, kernel, schedule
         self.window, self.gamma, self.p, self.decay, self.min_len = window, gamma, p, decay, min_len
         self.sinks, self.recent_cap, self.mean, self.recent_ratio = sinks, recent, mean, recent_ratio
         self.retained = [[] for _ in range(layers)]  # selected count per compression, for the retention test
@@ -196,7 +198,8 @@ class PyramidInferRef(Reference):
         weight = sum(self.gamma**age for age in range(w)) / w  # mean weight of this block's window queries
         self.recent = min(self.recent_cap, math.ceil(self.recent_ratio * self.seen))
         context = max(self.seen - self.sinks - self.recent, 0)  # candidates read so far
-        target = max(self.min_len, math.ceil(self.p * self.decay**layer * context))
+        fraction = retained_fraction(self.p, self.decay, layer, self.layers, self.schedule)
+        target = max(self.min_len, math.ceil(fraction * context))
         selected = min(budget - self.sinks - self.recent, target)
         out = []
         for h in range(self.heads):
@@ -212,7 +215,7 @@ class PyramidInferRef(Reference):
             if selected >= length - len(protected):
                 out.append(list(positions))
                 continue
-            slots = self.pick([score[q] for q in positions], protected, len(protected) + selected)
+            slots = self.pick(max_pooled([score[q] for q in positions], self.kernel), protected, len(protected) + selected)
             out.append(list(self.keep(layer, h, slots)))
         self.retained[layer].append(len(out[0]))
         return out
@@ -290,7 +293,8 @@ def test_pyramidinfer_keeps_a_decaying_fraction(options, cache):
     assert sum(budgets) == 3 * cache and budgets == sorted(budgets, reverse=True)
     m = method
     recent = paper_recent(cache, m.sinks) if m.recent is None else m.recent
-    reference = PyramidInferRef(3, 2, m.window, m.gamma, m.p, m.decay, m.min_len, m.sinks, recent)
+    reference = PyramidInferRef(3, 2, m.window, m.gamma, m.p, m.decay, m.min_len, m.sinks, recent, kernel=m.kernel,
+                                schedule=m.schedule)
     drive(method, reference, budgets, window_of=lambda n: m.window)
     # Retention decays with depth: at the end every layer holds at most its budget and the
     # deeper layers (smaller fraction) hold no more than the ones below.
@@ -309,7 +313,7 @@ def test_pyramidinfer_default_keeps_one_head_averaged_set_per_layer(options, cac
     m = method
     cap = paper_recent(cache, m.sinks) if m.recent is None else m.recent
     reference = PyramidInferRef(3, 2, m.window, m.gamma, m.p, m.decay, m.min_len, m.sinks, cap, mean=True,
-                                recent_ratio=m.recent_ratio)
+                                recent_ratio=m.recent_ratio, kernel=m.kernel, schedule=m.schedule)
     cache_ = drive(method, reference, budgets, window_of=lambda n: m.window)
     for layer in range(3):
         heads = kept_positions(cache_, layer)
@@ -319,7 +323,7 @@ def test_pyramidinfer_default_keeps_one_head_averaged_set_per_layer(options, cac
 def test_pyramidinfer_retention_binds_below_the_budget():
     # A large budget: the cache holds ceil(p * decay**l * context) selected tokens, not the budget.
     method = make_method("pyramidinfer", {"min_len": 1, "decay": 0.5, "p": 1.0, "sinks": 0, "recent": 2, "heads": "kv",
-                                          "recent_ratio": 1.0})
+                                          "recent_ratio": 1.0, "kernel": 1, "schedule": "geometric"})
     reference = PyramidInferRef(2, 2, 32, 0.97, 1.0, 0.5, 1, 0, 2)
     cache = drive(method, reference, [200, 200], window_of=lambda n: 32, steps=[16, 8, 1, 1])
     seen = 26
@@ -358,18 +362,22 @@ def test_pyramidkv_budgets_by_hand():
     assert make_method("pyramidkv").layer_budgets(100, 1) == [100]
 
 
+@pytest.mark.parametrize("schedule", ["geometric", "cosine"])
 @pytest.mark.parametrize("decay,layers,cache", [(0.95, 32, 1024), (0.5, 6, 100), (1.0, 4, 64),
                                                 (0.9, 80, 2048)])
-def test_pyramidinfer_budget_sequence(decay, layers, cache):
-    method = make_method("pyramidinfer", {"decay": decay})
+def test_pyramidinfer_budget_sequence(decay, layers, cache, schedule):
+    """Budgets proportional to the retained fractions, averaging the cache exactly, deeper never larger."""
+    method = make_method("pyramidinfer", {"decay": decay, "schedule": schedule})
     budgets = method.layer_budgets(cache, layers)
     kept = 4 + paper_recent(cache, 4)
     selected = cache - kept
-    norm = sum(Fraction(decay) ** i for i in range(layers))
-    reals = [kept + selected * layers * Fraction(decay) ** i / norm for i in range(layers)]
+    weights = [Fraction(retained_fraction(1.0, decay, i, layers, schedule)) for i in range(layers)]
+    if schedule == "geometric":
+        weights = [Fraction(decay) ** i for i in range(layers)]
+    reals = [kept + selected * layers * w / sum(weights) for w in weights]
     assert sum(budgets) == cache * layers
     assert all(abs(b - r) < 1 for b, r in zip(budgets, reals, strict=True))
-    assert all(a >= b for a, b in zip(budgets, budgets[1:], strict=False))
+    assert budgets == sorted(budgets, reverse=True)
 
 
 # --- the real engine on a tiny Llama ---------------------------------------------------------------------
@@ -423,6 +431,7 @@ def test_a_reused_method_instance_keeps_no_state_of_its_own(tiny, name):
     ("h2o", {"sinks": 4, "recent": 60}, 63),
     ("tova", {"sinks": 8}, 7),
     ("pyramidinfer", {"decay": 1.5}, 64),
+    ("pyramidinfer", {"schedule": "linear"}, 64),
     ("pyramidinfer", {"recent": 100}, 64),
 ])
 def test_impossible_settings_are_usage_errors(name, options, cache):

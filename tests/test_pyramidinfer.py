@@ -15,6 +15,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from support import max_pooled, retained_fraction
+
 from kvcli.engine import Engine
 from kvcli.generate import PromptParts, Reader
 from kvcli.methods import make_method
@@ -72,9 +74,10 @@ def reference_nested(model, ids: torch.Tensor, cache_budget: int, budgets: list[
         hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y))
         # Pivotal contexts: the last `window` queries' attention, averaged over every query head.
         window = min(method.window, m)
-        scores = probs[0, :, m - window:, :].sum(dim=1).mean(dim=0).tolist()
+        scores = max_pooled(probs[0, :, m - window:, :].sum(dim=1).mean(dim=0).tolist(), method.kernel)
         budget = budgets[layer_idx]
-        target = max(method.min_len, math.ceil(method.p * method.decay**layer_idx * (n - method.sinks - recent)))
+        fraction = retained_fraction(method.p, method.decay, layer_idx, len(budgets), method.schedule)
+        target = max(method.min_len, math.ceil(fraction * (n - method.sinks - recent)))
         stored = min(m, method.sinks + recent) + min(budget - method.sinks - recent, target)  # the budget's part
         passed = min(m, method.sinks + recent) + target  # the pivotal contexts, which the next layer processes
         protected = [i for i in range(m) if i < method.sinks or i >= m - recent]

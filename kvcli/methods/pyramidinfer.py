@@ -5,19 +5,28 @@ Per layer ``l`` and KV head, every cached token carries a weighted sum of the at
 recent queries paid to it (Algorithm 1's ``weighted_avg(A[-L:, :-L])``), and the layer keeps its
 pivotal contexts (PvCs): the sinks, the recent window, and the best-scoring tokens, as many as
 
-    min(S_l, max(min_len, ceil(p * decay**l * (seen - sinks - recent))))
+    min(S_l, max(min_len, ceil(f_l * (seen - sinks - recent))))
 
-where ``seen`` is the number of stream tokens read so far. That is Algorithm 1's retention: the
-top-p fraction of the context, ``p`` shrinking by the ratio ``decay`` from one layer to the next,
-never cutting below ``min_len`` (N_l, the same for every layer), applied to the whole context read
-so far, so a stream streamed in blocks of 256 or decoded one token at a time retains the same
-fraction. (Taking p of the current cache at every compression instead would make the cache size
-depend on the block size and collapse to ``min_len`` within a few hundred decoding steps.)
+where ``seen`` is the number of stream tokens read so far and ``f_l`` the fraction layer ``l``
+retains. That is Algorithm 1's retention: the top-p fraction of the context, ``p`` shrinking by a
+decay ratio from one layer to the next, never cutting below ``min_len`` (N_l, the same for every
+layer), applied to the whole context read so far, so a stream streamed in blocks of 256 or decoded
+one token at a time retains the same fraction. (Taking p of the current cache at every compression
+instead would make the cache size depend on the block size and collapse to ``min_len`` within a few
+hundred decoding steps.)
 
-The cache never exceeds its budget: ``S_l``, the selected part of layer ``l``'s budget, follows
-the same geometric decay, ``S_l`` proportional to ``decay**l``, scaled so that the budgets average
-exactly ``--cache`` (rounded by largest remainder, see :func:`kvcli.methods.pyramidkv.apportion`);
-the budget wins over ``min_len`` when they disagree.
+Schedule. ``f_l = p * r_1 * ... * r_l``. The paper's text multiplies by one ratio per layer
+(``schedule=geometric``: ``r_i = decay``, so ``f_l = p * decay**l``). The authors' released code
+eases the ratio along a half cosine, ``r_i = decay + (1 - decay) * (1 + cos(pi * i / layers)) / 2``:
+1 at the bottom, ``decay`` at the top (``schedule=cosine``, the default). Lower layers then keep
+nearly the whole prompt and the pruning falls on the top layers, which matters to nested reads: a
+token reaches the middle layers that retrieve facts only if every layer below passed it on, and the
+queries of the lowest layers attend by position more than by content (measured in docs/results.md).
+
+The cache never exceeds its budget: ``S_l``, the selected part of layer ``l``'s budget, is
+proportional to ``f_l``, scaled so that the budgets average exactly ``--cache`` (rounded by largest
+remainder, see :func:`kvcli.methods.pyramidkv.apportion`); the budget wins over ``min_len`` when
+they disagree.
 
 Weighting. The attention record holds the SUM over the last ``window`` queries of a block (L),
 so within one block those queries weigh alike. Across blocks the scores decay: a query ``d``
@@ -32,10 +41,14 @@ a candidate is older than the recent window, so it missed at most the queries ol
 whose weight is below ``gamma**recent``, and the ranking is that of the weighted average.
 
 Defaults where the paper's Algorithm 1 gives no number: L = 32 queries, gamma = 0.97, p = 1
-(layer 0 keeps the whole stream until its budget caps it), decay = 0.95 per layer (0.95**31 = 0.2
-at the top of a 32-layer model) and min_len = 64 (the authors' released configuration uses a
+(layer 0 keeps the whole stream until its budget caps it), decay = 0.95 (the cosine schedule then
+keeps about half the context at the top of a 30-layer model; the authors' 0.9 keeps a quarter and
+lost the pass key in nested reads) and min_len = 64 (the authors' released configuration uses a
 minimum context length of 64). The recent window is ``recent_ratio`` (default 0.2, the authors'
-released default) of the stream read so far, capped by the budget split's window (``recent``).
+released default) of the stream read so far, capped by the budget split's window (``recent``). The
+scores are max-pooled over 15 neighbours before TopP (``kernel``), as SnapKV's are: the paper
+pools nothing, but without it a number written one digit per token keeps some digits and loses
+others (``-o kernel=1`` is the paper's rule).
 
 Heads. By default (``heads=mean``) a layer keeps one token set, scored by the attention averaged over
 all its query heads, as the paper and its code do (``attn_weights.mean(dim=1)``). That is what lets a
@@ -76,10 +89,29 @@ from kvcli.methods.registry import register
 STATE = "pyramidinfer"
 
 
-def geometric_selected(selected_mean: int, num_layers: int, decay: float) -> list[int]:
-    """Selected budgets proportional to ``decay**l``, averaging ``selected_mean`` exactly."""
-    ratio = Fraction(decay)
-    weights = [ratio**layer for layer in range(num_layers)]
+def cosine_ratio(layer_idx: int, num_layers: int, decay: float) -> float:
+    """The cosine schedule's ratio between what layer ``layer_idx`` and the layer below retain: 1 at
+    layer 0, easing along a half cosine to ``decay`` at the top (the authors' released code)."""
+    return decay + (1 - decay) * (1 + math.cos(math.pi * layer_idx / num_layers)) / 2
+
+
+def retained_fractions(num_layers: int, p: float, decay: float, schedule: str) -> list[float]:
+    """Fraction of the context each layer retains: ``p`` times the ratios of layers ``1..l``."""
+    if schedule == "geometric":
+        return [p * decay**layer for layer in range(num_layers)]
+    fractions, fraction = [], p
+    for layer in range(num_layers):
+        fraction *= cosine_ratio(layer, num_layers, decay)
+        fractions.append(fraction)
+    return fractions
+
+
+def decaying_selected(selected_mean: int, num_layers: int, decay: float, schedule: str) -> list[int]:
+    """Selected budgets proportional to each layer's retained fraction, averaging ``selected_mean`` exactly."""
+    if schedule == "geometric":
+        weights = [Fraction(decay) ** layer for layer in range(num_layers)]
+    else:
+        weights = [Fraction(f) for f in retained_fractions(num_layers, 1.0, decay, schedule)]
     total = selected_mean * num_layers
     norm = sum(weights)
     return apportion([total * weight / norm for weight in weights], total)
@@ -91,6 +123,7 @@ def window_weight(window: int, gamma: float) -> float:
 
 
 HEADS = ("mean", "kv")
+SCHEDULES = ("cosine", "geometric")
 
 
 @register
@@ -105,7 +138,11 @@ class PyramidInfer(ScoredMethod):
     window: int = param(32, "recent queries L whose attention scores the cache")
     gamma: float = param(0.97, "weight ratio per query of age: a query d steps older weighs gamma**d")
     p: float = param(1.0, "fraction of the stream layer 0 retains (before the budget caps it)")
-    decay: float = param(0.95, "per-layer ratio of both the retained fraction and the budget")
+    decay: float = param(0.95, "per-layer ratio of both the retained fraction and the budget (geometric), or the "
+                               "top layer's ratio (cosine)")
+    schedule: str = param("cosine", "cosine: the ratio eases from 1 at layer 0 to decay at the top, so lower layers "
+                                    "keep nearly all (the authors' code); geometric: decay in every layer (the paper's "
+                                    "text)")
     min_len: int = param(64, "min PvC length N_l: selected tokens a layer always keeps (budget allowing)")
     sinks: int = param(4, "initial tokens always kept (attention sinks)")
     recent: int | None = param(None, "most recent tokens kept at most (auto: cache - sinks - cache // 2; "
@@ -114,8 +151,8 @@ class PyramidInfer(ScoredMethod):
                                      "recent sequence ratio), capped by recent")
     heads: str = param("mean", "mean: one token set per layer from the attention averaged over all query "
                                "heads (the paper; lets reads nest); kv: each KV head chooses alone (never nested)")
-    kernel: int = param(1, "max-pooling width (odd) of the scores along the sequence before TopP; 1 = none (the "
-                           "paper); 15 keeps a number's neighbouring digits, as SnapKV's pooling does")
+    kernel: int = param(15, "max-pooling width (odd) of the scores along the sequence before TopP: 15 keeps a "
+                            "number's neighbouring digits, as SnapKV's pooling does; 1 = none (the paper)")
     nest: bool = param(True, "reads that need only the last position hand each layer only the pivotal contexts of "
                              "the layer below (the paper's prefill); false: every layer processes every token")
 
@@ -133,6 +170,8 @@ class PyramidInfer(ScoredMethod):
             raise UsageError("min_len must be >= 0")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise UsageError(f"kernel must be an odd number >= 1 (got {self.kernel})")
+        if self.schedule not in SCHEDULES:
+            raise UsageError(f"schedule must be one of {', '.join(SCHEDULES)} (got {self.schedule!r})")
         if self.heads not in HEADS:
             raise UsageError(f"heads must be one of {', '.join(HEADS)} (got {self.heads!r})")
         check_split(budget, self.sinks, self.recent)
@@ -144,12 +183,12 @@ class PyramidInfer(ScoredMethod):
         self.validate(budget)
         split = Split.of(budget, self.sinks, self.recent)
         kept = split.sinks + split.recent
-        return [kept + selected for selected in geometric_selected(split.selected, num_layers, self.decay)]
+        return [kept + selected for selected in decaying_selected(split.selected, num_layers, self.decay, self.schedule)]
 
-    def retention(self, layer_idx: int, seen: int, recent: int) -> int:
-        """Selected tokens layer ``layer_idx`` retains after ``seen`` stream tokens, before the budget cap."""
-        fraction = self.p * self.decay**layer_idx
-        return max(self.min_len, math.ceil(fraction * max(seen - self.sinks - recent, 0)))
+    def retention(self, view: LayerView, recent: int) -> int:
+        """Selected tokens the view's layer retains after ``view.seen`` stream tokens, before the budget cap."""
+        fraction = retained_fractions(view.num_layers, self.p, self.decay, self.schedule)[view.layer_idx]
+        return max(self.min_len, math.ceil(fraction * max(view.seen - self.sinks - recent, 0)))
 
     def kept_recent(self, view: LayerView, budget: int) -> int:
         """``recent_ratio`` of the stream read so far, at most the window of the average budget's split
@@ -159,7 +198,7 @@ class PyramidInfer(ScoredMethod):
 
     def kept_count(self, view: LayerView, budget: int) -> int:
         recent = self.kept_recent(view, budget)
-        selected = min(budget - self.sinks - recent, self.retention(view.layer_idx, view.seen, recent))
+        selected = min(budget - self.sinks - recent, self.retention(view, recent))
         return min(view.length, self.sinks + recent) + selected
 
     def passed_count(self, view: LayerView, budget: int) -> int:
@@ -167,7 +206,7 @@ class PyramidInfer(ScoredMethod):
         budget cap. A nested read hands their hidden states to the next layer; the layer itself stores the
         first :meth:`kept_count` of them (the same ranking), so what it stores is always among them."""
         recent = self.kept_recent(view, budget)
-        return min(view.length, self.sinks + recent) + self.retention(view.layer_idx, view.seen, recent)
+        return min(view.length, self.sinks + recent) + self.retention(view, recent)
 
     def compress_nested(self, view: LayerView, budget: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         self.observe(view)
