@@ -215,7 +215,8 @@ class PyramidInferRef(Reference):
             if selected >= length - len(protected):
                 out.append(list(positions))
                 continue
-            slots = self.pick(max_pooled([score[q] for q in positions], self.kernel), protected, len(protected) + selected)
+            pooled = max_pooled([score[q] for q in positions], self.kernel)
+            slots = self.pick(pooled, protected, len(protected) + selected)
             out.append(list(self.keep(layer, h, slots)))
         self.retained[layer].append(len(out[0]))
         return out

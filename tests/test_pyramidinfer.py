@@ -13,9 +13,8 @@ import math
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
 from support import max_pooled, retained_fraction
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvcli.engine import Engine
 from kvcli.generate import PromptParts, Reader

@@ -183,7 +183,8 @@ class PyramidInfer(ScoredMethod):
         self.validate(budget)
         split = Split.of(budget, self.sinks, self.recent)
         kept = split.sinks + split.recent
-        return [kept + selected for selected in decaying_selected(split.selected, num_layers, self.decay, self.schedule)]
+        selected = decaying_selected(split.selected, num_layers, self.decay, self.schedule)
+        return [kept + count for count in selected]
 
     def retention(self, view: LayerView, recent: int) -> int:
         """Selected tokens the view's layer retains after ``view.seen`` stream tokens, before the budget cap."""
