@@ -1,10 +1,12 @@
 """From the repository root:
 
-    PYTHONPATH=. python docs/results/pod_select_thresholds.py BOOK 1024 32768 snapkv 0.6 0.7
+    PYTHONPATH=. python docs/results/pod_select_thresholds.py BOOK 1024 32768 snapkv 0.5 0.6 0.7
 
 The selection alone against PoD + the selection at equal kv_cache_bytes, with the shipped calibration
-regrouped at each threshold given (what `-o threshold=T` does), first N scored tokens of a book."""
+regrouped at each threshold given (what `-o threshold=T` does), first N scored tokens of a book.
+MODEL=DIR (default smollm2-135m) runs another model, e.g. a `kvcli adapt` output folder."""
 import json
+import os
 import sys
 import time
 
@@ -14,7 +16,7 @@ from kvcli.models import load_model
 from kvcli.text import first_tokens, open_source
 
 book, budget, tokens, select = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-loaded = load_model("smollm2-135m")
+loaded = load_model(os.environ.get("MODEL", "smollm2-135m"))
 ids, _ = first_tokens(open_source(book), loaded.tokenizer, tokens + 1)
 sinks, recent = 4, budget // 2 - 3  # the selection alone: 4 sinks + 508 recent at 1024; pod's n_r includes the query
 plain = {"sinks": sinks} if select == "streamingllm" else {"sinks": sinks, "recent": recent - 1}
