@@ -131,10 +131,9 @@ SCHEDULES = ("cosine", "geometric")
 class PyramidInfer(ScoredMethod):
     name = "pyramidinfer"
     keeps_positions = True
-    description = ("Keep the tokens the recent queries attend to most (recency-weighted): a fraction "
-                   "p * decay**l of the stream in layer l (at least min_len), under budgets decaying "
-                   "geometrically with depth; a read nests the layers (each processes only what the one "
-                   "below kept).")
+    description = ("Keep the tokens the recent queries attend to most (recency-weighted): a fraction of the stream "
+                   "shrinking with depth (cosine schedule, at least min_len), under budgets that shrink alike; a read "
+                   "nests the layers (each processes only what the one below kept).")
     window: int = param(32, "recent queries L whose attention scores the cache")
     gamma: float = param(0.97, "weight ratio per query of age: a query d steps older weighs gamma**d")
     p: float = param(1.0, "fraction of the stream layer 0 retains (before the budget caps it)")
@@ -150,7 +149,7 @@ class PyramidInfer(ScoredMethod):
     recent_ratio: float = param(0.2, "recent window as a fraction of the stream read so far (the paper's "
                                      "recent sequence ratio), capped by recent")
     heads: str = param("mean", "mean: one token set per layer from the attention averaged over all query "
-                               "heads (the paper; lets reads nest); kv: each KV head chooses alone (never nested)")
+                               "heads (the paper); kv: each KV head chooses alone (a nested read passes the union)")
     kernel: int = param(15, "max-pooling width (odd) of the scores along the sequence before TopP: 15 keeps a "
                             "number's neighbouring digits, as SnapKV's pooling does; 1 = none (the paper)")
     nest: bool = param(True, "reads that need only the last position hand each layer only the pivotal contexts of "
