@@ -59,8 +59,8 @@ only its pivotal contexts (:meth:`kvcli.engine.Engine.forward` with ``last_only`
 paper's faster prefill. The PvC is the sinks, the recent window and the retained fraction without the
 budget's cap (:meth:`PyramidInfer.passed_count`); the layer stores the first ``kept_count`` of the same
 ranking, so its cache is within its budget and always among its PvC, and PvCs nest layer on layer.
-``heads=kv`` lets each KV head choose alone (its query heads averaged); such a cache cannot nest and
-is compressed after the forward, as ``kvcli ppl`` always is.
+``heads=kv`` lets each KV head choose alone (its query heads averaged); a nested read then hands the
+next layer the union of the heads' PvCs. ``kvcli ppl`` never nests: every token needs its logits.
 """
 
 from __future__ import annotations
