@@ -13,7 +13,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvcli.engine import Engine, check_budget
@@ -167,28 +167,49 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
     result = NeedleResult(settings={"cache": budget, "block": block, "seed": seed, "question": QUESTION,
                                     "answer_prefix": answer_prefix, "needle": NEEDLE, "max_new_tokens": max_new_tokens,
                                     "probe": probe, "params": params})
-    rng = random.Random(seed)
     total = len(lengths) * len(depths) * trials * len(methods)
     done = 0
+    for stack in haystacks(tokenizer, tokens, lengths, depths, trials, seed):
+        for name in methods:
+            engine = Engine(model, built[name], budget, block=block, warn=warn)
+            reader = Reader(engine, tokenizer, stop_ids=stop_ids)
+            started = time.perf_counter()
+            gen = reader.run(parts, [stack.doc], max_new_tokens, one_shot=one_shot, probe=probe)
+            answer = gen.text.strip()
+            record = Trial(name, stack.length, stack.depth, stack.trial, stack.key, answer,
+                           is_correct(answer, stack.key), gen.prompt_tokens, gen.one_shot, gen.max_cache_tokens,
+                           time.perf_counter() - started)
+            result.trials.append(record)
+            done += 1
+            if on_trial:
+                on_trial(record, done, total)
+    return result
+
+
+@dataclass
+class Haystack:
+    """One cell of the grid: an excerpt of ``length`` tokens with ``key`` hidden at ``depth``, encoded."""
+
+    length: int
+    trial: int
+    depth: float
+    key: str
+    doc: list[int]
+
+
+def haystacks(tokenizer, tokens: Sequence[int], lengths: Iterable[int], depths: Iterable[float], trials: int,
+              seed: int = 0) -> Iterator[Haystack]:
+    """The grid's haystacks in grid order (length, trial, depth), keys drawn from ``random.Random(seed)``:
+    what ``run_grid`` reads, so that a script can rebuild the haystacks of a ``kvcli needle`` run."""
+    rng = random.Random(seed)
+    depths = list(depths)
     for length in lengths:
         for trial in range(trials):
             offset = excerpt_offset(len(tokens), length, trial)
             for depth in depths:
                 key = str(rng.randint(10000, 99999))
-                doc = encode(tokenizer, haystack(tokenizer, tokens, length, depth, key, offset))
-                for name in methods:
-                    engine = Engine(model, built[name], budget, block=block, warn=warn)
-                    reader = Reader(engine, tokenizer, stop_ids=stop_ids)
-                    started = time.perf_counter()
-                    gen = reader.run(parts, [doc], max_new_tokens, one_shot=one_shot, probe=probe)
-                    answer = gen.text.strip()
-                    record = Trial(name, length, depth, trial, key, answer, is_correct(answer, key), gen.prompt_tokens,
-                                   gen.one_shot, gen.max_cache_tokens, time.perf_counter() - started)
-                    result.trials.append(record)
-                    done += 1
-                    if on_trial:
-                        on_trial(record, done, total)
-    return result
+                yield Haystack(length, trial, depth, key, encode(tokenizer, haystack(tokenizer, tokens, length, depth,
+                                                                                     key, offset)))
 
 
 def book_tokens(documents, tokenizer, limit: int | None = None) -> list[int]:

@@ -11,14 +11,13 @@ and the answer.
 
 from __future__ import annotations
 
-import random
 import sys
 
 from kvcli.engine import Engine
-from kvcli.generate import Generation, Reader, build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.generate import Generation, Reader, build_prompt, question_instruction, stop_token_ids
 from kvcli.methods import make_method
 from kvcli.models import load_model
-from kvcli.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_tokens, excerpt_offset, haystack, is_correct
+from kvcli.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, is_correct
 from kvcli.text import open_source
 
 
@@ -28,10 +27,8 @@ def main() -> None:
     loaded = load_model("smollm2-135m")
     tokenizer = loaded.tokenizer
     tokens = book_tokens(open_source(book), tokenizer)
-    rng = random.Random(0)
-    key = [str(rng.randint(10000, 99999)) for _ in DEFAULT_DEPTHS][depth_index]
-    offset = excerpt_offset(len(tokens), length, 0)
-    doc = encode(tokenizer, haystack(tokenizer, tokens, length, DEFAULT_DEPTHS[depth_index], key, offset))
+    stack = list(haystacks(tokenizer, tokens, [length], DEFAULT_DEPTHS, trials=1))[depth_index]
+    key, doc = stack.key, stack.doc
     parts = build_prompt(tokenizer, question_instruction(QUESTION, ANSWER_PREFIX))
     stream = parts.prefix + doc
     digits = [i + j for i in range(len(stream) - 5) if tokenizer.decode(stream[i:i + 5]) == key for j in range(5)]

@@ -11,23 +11,14 @@ method named by ``method=``). The haystacks and keys are those of ``kvcli needle
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 
 from kvcli.engine import Engine
-from kvcli.generate import Reader, build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.generate import Reader, build_prompt, question_instruction, stop_token_ids
 from kvcli.methods import make_method
 from kvcli.models import load_model
-from kvcli.needle import (
-    ANSWER_PREFIX,
-    DEFAULT_DEPTHS,
-    QUESTION,
-    book_tokens,
-    excerpt_offset,
-    haystack,
-    is_correct,
-)
+from kvcli.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, is_correct
 from kvcli.text import open_source
 
 LENGTH, BUDGET = 6000, 512
@@ -38,22 +29,18 @@ def main() -> None:
     loaded = load_model("smollm2-135m")
     tokenizer = loaded.tokenizer
     tokens = book_tokens(open_source(book), tokenizer, 2 * LENGTH)
-    rng = random.Random(0)
-    keys = [str(rng.randint(10000, 99999)) for _ in DEFAULT_DEPTHS]
+    stacks = list(haystacks(tokenizer, tokens, [LENGTH], DEFAULT_DEPTHS, trials=1))
     parts = build_prompt(tokenizer, question_instruction(QUESTION, ANSWER_PREFIX))
-    offset = excerpt_offset(len(tokens), LENGTH, 0)
-    docs = [encode(tokenizer, haystack(tokenizer, tokens, LENGTH, depth, key, offset))
-            for depth, key in zip(DEFAULT_DEPTHS, keys, strict=True)]
     stop_ids = stop_token_ids(tokenizer, loaded.model)
     for setting in settings:
         options = dict(item.split("=", 1) for item in setting.split(",") if item)
         name = options.pop("method", "pyramidinfer")
         answers = []
         started = time.perf_counter()
-        for doc, key in zip(docs, keys, strict=True):
+        for stack in stacks:
             engine = Engine(loaded.model, make_method(name, options), BUDGET, block=256)
-            text = Reader(engine, tokenizer, stop_ids=stop_ids).run(parts, [doc], 12).text.strip()
-            answers.append("ok" if is_correct(text, key) else repr(text[:8]))
+            text = Reader(engine, tokenizer, stop_ids=stop_ids).run(parts, [stack.doc], 12).text.strip()
+            answers.append("ok" if is_correct(text, stack.key) else repr(text[:8]))
         found = sum(answer == "ok" for answer in answers)
         print(f"{name} {options}: {found}/5 {answers} {time.perf_counter() - started:.0f} s", flush=True)
 
