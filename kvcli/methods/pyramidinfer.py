@@ -42,13 +42,14 @@ whose weight is below ``gamma**recent``, and the ranking is that of the weighted
 
 Defaults where the paper's Algorithm 1 gives no number: L = 32 queries, gamma = 0.97, p = 1
 (layer 0 keeps the whole stream until its budget caps it), decay = 0.95 (the cosine schedule then
-keeps about half the context at the top of a 30-layer model; the authors' 0.9 keeps a quarter and
-lost the pass key in nested reads) and min_len = 64 (the authors' released configuration uses a
-minimum context length of 64). The recent window is ``recent_ratio`` (default 0.2, the authors'
-released default) of the stream read so far, capped by the budget split's window (``recent``). The
-scores are max-pooled over 15 neighbours before TopP (``kernel``), as SnapKV's are: the paper
-pools nothing, but without it a number written one digit per token keeps some digits and loses
-others (``-o kernel=1`` is the paper's rule).
+keeps about half the context at the top of a 30-layer model, the authors' 0.9 a quarter: the larger
+share lets a nested read keep what the top layers retrieve; docs/methods.md has the comparison)
+and min_len = 64 (the authors' released configuration uses a minimum context length of 64). The
+recent window is ``recent_ratio`` (default 0.2, the authors' released default) of the stream read
+so far, capped by the budget split's window (``recent``). The scores are max-pooled over 15
+neighbours before TopP (``kernel``), as SnapKV's are: the paper pools nothing, but without it a
+number written one digit per token keeps some digits and loses others (``-o kernel=1`` is the
+paper's rule).
 
 Heads. By default (``heads=mean``) a layer keeps one token set, scored by the attention averaged over
 all its query heads, as the paper and its code do (``attn_weights.mean(dim=1)``). That is what lets a
