@@ -479,6 +479,20 @@ def test_pod_selection_bad_input():
     assert make_method("pod").unbounded and not make_method("pod", {"select": "snapkv"}).unbounded
 
 
+def test_pod_default_window_fits_the_default_cache_with_a_selection():
+    """Alone PoD's window is long (it keeps every token anyway); with a selection the default window must
+    leave room in the default --cache of 1,024, and the selection protects the same recent tokens."""
+    from kvcli.errors import BudgetError
+
+    assert make_method("pod").recent == 3072
+    pod = make_method("pod", {"select": "snapkv"})
+    assert pod.recent == 512 and pod.inner.recent == 511
+    pod.validate(1024)
+    with pytest.raises(BudgetError):
+        pod.validate(16 + 511)
+    assert make_method("pod", {"select": "snapkv", "recent": 100}).recent == 100
+
+
 # --- post-training (section 2.2) -------------------------------------------------------------------------------
 
 

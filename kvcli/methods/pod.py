@@ -25,6 +25,9 @@ from kvcli.pod.groups import GroupsFile, resolve
 
 #: Selection methods PoD can run on the distant region: they choose per KV head with a uniform budget.
 SELECTORS = ("streamingllm", "snapkv", "treekv", "h2o", "tova")
+#: n_r when the user sets none: alone PoD keeps every token, so a long window only costs bytes; with a
+#: selection the window must fit in --cache beside the selected tokens.
+RECENT_ALONE, RECENT_SELECTED = 3072, 512
 CHOSEN = "pod_chosen"  # in each layer's method state: the selection's choice for that layer this block
 
 
@@ -37,9 +40,10 @@ class PoD(Method):
                    "(keys only in each block's lead layer, values everywhere). Ignores --cache unless `select` is set.")
     groups: str = param("auto", "layer groups JSON (kvcli.analysis.calibrate); auto = the file shipped for the model")
     sinks: int = param(16, "n_s: initial tokens that are always proximal (full attention in every layer)")
-    recent: int = param(3072, "n_r: latest tokens before each query, itself included, that are proximal "
-                        "(3,072 keeps training-free perplexity within 1.10x of full on this model; the paper's "
-                        "proportion is 1/8 of the context)")
+    recent: int | None = param(None, "n_r: latest tokens before each query, itself included, that are proximal; "
+                               f"default {RECENT_ALONE:,} alone (training-free perplexity within 1.10x of full on "
+                               "this model; the paper's proportion is 1/8 of the context), "
+                               f"{RECENT_SELECTED} with `select` (half the default --cache of 1,024)")
     threshold: float | None = param(None, "similarity threshold to regroup the groups file's stored calibration at "
                                     "(lower: more layers share, more bytes saved, higher perplexity; the paper's "
                                     "0.5); default: the file's own")
@@ -51,6 +55,8 @@ class PoD(Method):
     def __post_init__(self) -> None:
         if self.sinks < 0:
             raise UsageError(f"pod: sinks must be >= 0, not {self.sinks}")
+        if self.recent is None:
+            self.recent = RECENT_ALONE if self.select == "none" else RECENT_SELECTED
         if self.recent < 1:
             raise UsageError(f"pod: recent must be >= 1 (the window includes the query itself), not {self.recent}")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
