@@ -68,8 +68,9 @@ def adapt(
     out: Annotated[Path, typer.Option("--out", help="Folder for the adapted model (loads with --model OUT "
                                       "--method pod); an unfinished run there resumes.")],
     tokens: Annotated[int, typer.Option("--tokens", help="Tokens to train on.")],
-    groups: Annotated[str, typer.Option("--groups", help="Groups file; auto = the shipped groups for the "
-                                        "model.")] = "auto",
+    groups: Annotated[str, typer.Option("--groups", help="Groups file; auto = the model folder's "
+                                        "pod_groups.json (an earlier adapt's output, to train it further), else "
+                                        "the shipped groups for the model.")] = "auto",
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per training sequence (one optimizer step "
                                          "each); must exceed --sinks + --recent so that distant tokens "
                                          "are trained.")] = 2048,
