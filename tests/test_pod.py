@@ -329,6 +329,11 @@ def test_shipped_groups_match_the_default_model_shape():
     paper = groups.regrouped(0.5)  # a lower threshold merges more layers: fewer blocks, more saved
     assert sum(paper.blocks_per_kv_head()) < sum(groups.blocks_per_kv_head())
     assert make_method("pod", {"threshold": 0.5}).layer_groups(config).groups == paper.groups
+    # With a selection only the most similar layers share unless a threshold is given.
+    strict = make_method("pod", {"select": "snapkv"}).layer_groups(config)
+    assert strict.groups == groups.regrouped(0.8).groups and strict.threshold == 0.8
+    assert sum(strict.blocks_per_kv_head()) > sum(groups.blocks_per_kv_head())
+    assert make_method("pod", {"select": "snapkv", "threshold": 0.5}).layer_groups(config).groups == paper.groups
     with pytest.raises(UsageError, match="threshold must be between"):
         make_method("pod", {"threshold": 1.5})
 
@@ -428,6 +433,7 @@ def test_budget_for_bytes_gives_pod_selection_more_tokens_in_the_same_bytes():
     nbytes = 48 * kv_bytes_per_token(model, torch.float32) + 5  # a few bytes short of 49 tokens
     groups = groups_for(model)
     pod = make_method("pod", {"groups": groups, "sinks": 4, "recent": 8, "select": "snapkv"})
+    assert pod.layer_groups(model.config).groups == groups.groups  # no stored similarity: the file's own groups
     assert budget_for_bytes(make_method("snapkv"), model, nbytes, torch.float32) == 48
     assert budget_for_bytes(pod, model, nbytes, torch.float32) == groups.equal_bytes_budget(48, 4, 8)
     assert budget_for_bytes(make_method("pod", {"groups": groups}), model, nbytes, torch.float32) == 48

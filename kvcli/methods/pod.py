@@ -28,6 +28,9 @@ SELECTORS = ("streamingllm", "snapkv", "treekv", "h2o", "tova")
 #: n_r when the user sets none: alone PoD keeps every token, so a long window only costs bytes; with a
 #: selection the window must fit in --cache beside the selected tokens.
 RECENT_ALONE, RECENT_SELECTED = 3072, 512
+#: With a selection, sharing must cost less perplexity than the extra tokens it buys: only layers
+#: this similar share by default (docs/methods.md, "PoD + a token selection").
+SELECT_THRESHOLD = 0.8
 CHOSEN = "pod_chosen"  # in each layer's method state: the selection's choice for that layer this block
 
 
@@ -46,7 +49,7 @@ class PoD(Method):
                                f"{RECENT_SELECTED} with `select` (half the default --cache of 1,024)")
     threshold: float | None = param(None, "similarity threshold to regroup the groups file's stored calibration at "
                                     "(lower: more layers share, more bytes saved, higher perplexity; the paper's "
-                                    "0.5); default: the file's own")
+                                    f"0.5); default: the file's own, {SELECT_THRESHOLD} with `select`")
     tau: float | None = param(None, "gate threshold (App. B.4): a query whose proximal share g >= tau skips "
                               "distant tokens in non-lead layers; default: never skip")
     select: str = param("none", "token selection at the --cache budget (beyond the paper): none keeps every token, "
@@ -122,9 +125,14 @@ class PoD(Method):
         return out
 
     def layer_groups(self, config) -> GroupsFile:
-        """The groups for a model with this ``config``, checked against it, regrouped at ``threshold`` if set."""
+        """The groups for a model with this ``config``, checked against it, regrouped at ``threshold`` if set
+        (with a selection and no threshold, at :data:`SELECT_THRESHOLD` when the file stores its similarity)."""
         groups = resolve(self.groups, config)
-        return groups if self.threshold is None else groups.regrouped(self.threshold)
+        if self.threshold is not None:
+            return groups.regrouped(self.threshold)
+        if self.inner is not None and groups.similarity is not None:
+            return groups.regrouped(SELECT_THRESHOLD)
+        return groups
 
     def plan(self, config) -> SharingPlan:
         """The sharing plan for a model with this ``config``."""
