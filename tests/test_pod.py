@@ -332,6 +332,7 @@ def test_shipped_groups_match_the_default_model_shape():
     # With a selection only the most similar layers share unless a threshold is given.
     strict = make_method("pod", {"select": "snapkv"}).layer_groups(config)
     assert strict.groups == groups.regrouped(0.8).groups and strict.threshold == 0.8
+    assert make_method("pod", {"select": "snapkv"}).settings()["threshold"] == 0.8
     assert sum(strict.blocks_per_kv_head()) > sum(groups.blocks_per_kv_head())
     assert make_method("pod", {"select": "snapkv", "threshold": 0.5}).layer_groups(config).groups == paper.groups
     with pytest.raises(UsageError, match="threshold must be between"):

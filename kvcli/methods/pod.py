@@ -122,6 +122,8 @@ class PoD(Method):
         out = super().settings()
         if isinstance(self.groups, GroupsFile):
             out["groups"] = self.groups.model
+        if self.inner is not None and self.threshold is None:
+            out["threshold"] = SELECT_THRESHOLD  # what a run records must reproduce it with -o
         return out
 
     def layer_groups(self, config) -> GroupsFile:
