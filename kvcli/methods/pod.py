@@ -41,7 +41,8 @@ class PoD(Method):
     unbounded = True
     description = ("Keep every token; distant tokens share one set of keys per block of similar layers "
                    "(keys only in each block's lead layer, values everywhere). Ignores --cache unless `select` is set.")
-    groups: str = param("auto", "layer groups JSON (kvcli.analysis.calibrate); auto = the file shipped for the model")
+    groups: str = param("auto", "layer groups JSON (kvcli.analysis.calibrate); auto = the model folder's "
+                        "pod_groups.json (a kvcli adapt output), else the file shipped for the model")
     sinks: int = param(16, "n_s: initial tokens that are always proximal (full attention in every layer)")
     recent: int | None = param(None, "n_r: latest tokens before each query, itself included, that are proximal; "
                                f"default {RECENT_ALONE:,} alone (training-free perplexity within 1.10x of full on "
@@ -122,19 +123,27 @@ class PoD(Method):
         out = super().settings()
         if isinstance(self.groups, GroupsFile):
             out["groups"] = self.groups.model
-        if self.inner is not None and self.threshold is None:
-            out["threshold"] = SELECT_THRESHOLD  # what a run records must reproduce it with -o
+        out["threshold"] = self.regroup_threshold()  # what a run records must reproduce it with -o
         return out
 
-    def layer_groups(self, config) -> GroupsFile:
-        """The groups for a model with this ``config``, checked against it, regrouped at ``threshold`` if set
-        (with a selection and no threshold, at :data:`SELECT_THRESHOLD` when the file stores its similarity)."""
-        groups = resolve(self.groups, config)
+    def regroup_threshold(self) -> float | None:
+        """The threshold the groups are regrouped at: ``threshold`` if set, else :data:`SELECT_THRESHOLD`
+        with a selection, else None (the groups file's own)."""
         if self.threshold is not None:
-            return groups.regrouped(self.threshold)
-        if self.inner is not None and groups.similarity is not None:
-            return groups.regrouped(SELECT_THRESHOLD)
-        return groups
+            return self.threshold
+        return SELECT_THRESHOLD if self.inner is not None else None
+
+    def layer_groups(self, config) -> GroupsFile:
+        """The groups for a model with this ``config``, checked against it, regrouped at :meth:`regroup_threshold`.
+
+        Only an explicit ``threshold`` needs the file's stored similarity; a file without it keeps its
+        own groups under the selection's default.
+        """
+        groups = resolve(self.groups, config)
+        threshold = self.regroup_threshold()
+        if threshold is None or (self.threshold is None and groups.similarity is None):
+            return groups
+        return groups.regrouped(threshold)
 
     def plan(self, config) -> SharingPlan:
         """The sharing plan for a model with this ``config``."""
