@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvcli.errors import UsageError
+from kvcli.errors import KvcliError, UsageError
 from kvcli.pod.attention import (
     SEQUENCE_ATTENTION,
     SHARED_KWARG,
@@ -64,6 +64,28 @@ def training_pieces(documents: Iterable, tokenizer, seq_len: int) -> Iterator[to
             buffer = buffer[seq_len:]  # the last target is the next piece's first input
 
 
+def load_state(path: Path) -> dict:
+    """The saved training state at ``path``, read as data only.
+
+    The file sits in a folder other people may write, so it is loaded with ``weights_only=True``:
+    torch's restricted unpickler builds tensors, numbers, strings and containers and refuses any
+    other global, so a crafted file can never run code. Anything that is not a state this module
+    wrote (unreadable, truncated, a key missing or of the wrong type) is one line, never a traceback.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every unreadable file is the same one-line answer
+        raise KvcliError(f"{path} is not a readable kvcli adapt state ({type(exc).__name__}): remove it or use "
+                         "another --out") from None
+    expected = {"model": dict, "optimizer": dict, "step": int, "total": int, "groups": list}
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), t) for k, t in expected.items()):
+        raise KvcliError(f"{path} is not a kvcli adapt state (keys {sorted(expected)} expected): remove it or use "
+                         "another --out")
+    if not 0 <= state["step"] <= state["total"]:
+        raise KvcliError(f"{path} is not a kvcli adapt state (step {state['step']} of {state['total']})")
+    return state
+
+
 def cosine_lr(step: int, total: int, lr: float) -> float:
     """The paper's cosine annealing, from ``lr`` at step 0 to 0 after ``total`` steps."""
     return 0.5 * lr * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
@@ -98,12 +120,16 @@ def adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: Groups
     start = 0
     state_path = out / STATE_FILE
     if state_path.is_file():
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
-        if state.get("groups") != groups.groups or state.get("total") != total:
+        state = load_state(state_path)
+        if state["groups"] != groups.groups or state["total"] != total:
             raise UsageError(f"{state_path} belongs to another run (groups or tokens differ): use another --out")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = int(state["step"])
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise KvcliError(f"{state_path} does not fit this model ({type(exc).__name__}): use another --out") \
+                from None
+        start = state["step"]
 
     def save_state(step: int) -> None:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
