@@ -1,7 +1,8 @@
-"""Headless matplotlib for `kvcli bench` and `kvcli analyze`.
+"""Headless matplotlib for the plots of `kvcli bench`, `kvcli analyze` and `kvcli needle`.
 
-matplotlib is an optional extra (`pip install 'kvcli[plot]'`): results are still written as JSON
-without it, and the commands say once how to get the pictures.
+matplotlib is a dependency of kvcli, so the plain install draws every plot. An environment that lost it
+still gets its results as JSON: the commands check :func:`have_matplotlib` first and say once what is
+missing, rather than failing after minutes of measuring.
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from pathlib import Path
 
 from kvcli.errors import KvcliError
 
+#: What a command says when matplotlib cannot be imported (a broken install: it is a dependency).
+MISSING = "plots need matplotlib, a kvcli dependency missing here (pip install matplotlib)"
+
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed), or a clear error if it is missing."""
     try:
         import matplotlib
     except ImportError as exc:
-        raise KvcliError("plots need matplotlib: pip install 'kvcli[plot]'") from exc
-    matplotlib.use("Agg")
+        raise KvcliError(MISSING) from exc
+    matplotlib.use("Agg")  # files only: no display needed, and no GUI backend chosen by the environment
     import matplotlib.pyplot as plt
 
     return plt

@@ -17,14 +17,16 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 stderr_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    """One line on stderr, never on stdout."""
-    stderr_console.print(f"[yellow]warning:[/yellow] {message}", markup=True)
+    """One line on stderr, never on stdout. The message is escaped: brackets in it are text (an install hint
+    such as ``pip install 'kvcli[gemma]'``), not Rich markup that would vanish from the line."""
+    stderr_console.print(f"[yellow]warning:[/yellow] {escape(message)}", markup=True)
 
 
 def reset_peak_memory(device: torch.device) -> None:

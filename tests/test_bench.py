@@ -9,7 +9,6 @@ import pytest
 import kvcli.bench.grid
 import kvcli.bench.plots
 from kvcli.bench import RunSpec, plan_grid, plot_results, smooth_curve
-from kvcli.plots import have_matplotlib
 
 RUN_KEYS = {"model", "source", "method", "params", "cache", "block", "tokens", "nll", "ppl", "bits_per_byte", "bytes",
             "kv_cache_bytes", "full_kv_cache_bytes", "max_cache_tokens", "peak_memory_bytes", "seconds",
@@ -50,14 +49,28 @@ def test_grid_writes_results_table_and_plots(invoke, tiny_model_dir, alice, tmp_
     assert runs[0]["kl_mean"] == 0.0 and runs[0]["same_top"] == 1.0 and runs[0]["kl_tokens"] == 200
     assert all(run["kl_mean"] > 0 and run["kl_p99"] >= run["kl_mean"] for run in runs[1:])
     assert "KL vs full" in result.stdout and "same top" in result.stdout
-    if have_matplotlib():
-        for name in ("ppl_vs_cache.png", "nll_vs_position.png"):
-            assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    for name in ("ppl_vs_cache.png", "nll_vs_position.png"):  # matplotlib is a dependency: always drawn
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plain_bench_draws_pngs_beside_results_and_no_plots_draws_none(invoke, tiny_model_dir, alice, tmp_path):
+    """The issue's check: after the plain install, `kvcli bench ... --out DIR` leaves pictures beside results.json."""
+    common = [alice, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "16,32", "--block", "16",
+              "--max-tokens", "48", "--no-kl"]
+    drawn = invoke("bench", *common, "--out", str(tmp_path / "drawn"))
+    assert drawn.exit_code == 0, drawn.stderr
+    pngs = sorted(p.name for p in (tmp_path / "drawn").glob("*.png"))
+    assert pngs == ["nll_vs_position.png", "ppl_vs_cache.png"] and "warning" not in drawn.stderr
+    assert all((tmp_path / "drawn" / name).read_bytes()[:4] == b"\x89PNG" for name in pngs)
+    for flag in ("--no-plots", "--no-plot"):  # --no-plot: the earlier spelling, still accepted
+        skipped = invoke("bench", *common, "--out", str(tmp_path / flag), flag)
+        assert skipped.exit_code == 0, skipped.stderr
+        assert (tmp_path / flag / "results.json").is_file() and not list((tmp_path / flag).glob("*.png"))
 
 
 def test_rerun_skips_finished_runs_without_measuring(invoke, tiny_model_dir, alice, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    assert invoke("bench", *grid_args(tiny_model_dir, alice, out, "--no-plot")).exit_code == 0
+    assert invoke("bench", *grid_args(tiny_model_dir, alice, out, "--no-plots")).exit_code == 0
     before = (out / "results.json").read_bytes()
 
     def fail(*args, **kwargs):
@@ -71,7 +84,7 @@ def test_rerun_skips_finished_runs_without_measuring(invoke, tiny_model_dir, ali
     data = json.loads(result.stdout)
     assert data["skipped"] == 5 and data["measured"] == 0 and len(data["runs"]) == 5
 
-    table = invoke("bench", *grid_args(tiny_model_dir, alice, out, "--no-plot", "--markdown")).stdout
+    table = invoke("bench", *grid_args(tiny_model_dir, alice, out, "--no-plots", "--markdown")).stdout
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert rows[0].split("|")[1].strip() == "method" and set(rows[1]) <= set("|-: ")
     assert len(rows) == 2 + 5 and rows[2].split("|")[1].strip() == "full"
@@ -80,14 +93,14 @@ def test_rerun_skips_finished_runs_without_measuring(invoke, tiny_model_dir, ali
 def test_no_kl_runs_no_reference(invoke, tiny_model_dir, alice, tmp_path):
     out = tmp_path / "out"
     result = invoke("bench", alice, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "48",
-                    "--block", "16", "--max-tokens", "64", "--out", str(out), "--json", "--no-plot", "--no-kl")
+                    "--block", "16", "--max-tokens", "64", "--out", str(out), "--json", "--no-plots", "--no-kl")
     assert result.exit_code == 0 and not (out / "reference.kvlogits").exists()
     assert "kl_mean" not in json.loads(result.stdout)["runs"][0]
 
 
 def test_json_stdout_is_one_object(invoke, tiny_model_dir, alice, tmp_path):
     result = invoke("bench", alice, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "48",
-                    "--block", "16", "--max-tokens", "64", "--out", str(tmp_path / "out"), "--json", "--no-plot")
+                    "--block", "16", "--max-tokens", "64", "--out", str(tmp_path / "out"), "--json", "--no-plots")
     assert result.exit_code == 0
     data = json.loads(result.stdout)
     assert data["tokens"] == 64 and data["interrupted"] is False and data["results"].endswith("results.json")
@@ -104,7 +117,7 @@ def test_bench_scores_what_ppl_stream_scores(invoke, tiny_model_dir, tmp_path):
     ppl = json.loads(invoke(*["ppl", str(folder), "--stream", "--method", "h2o", "--cache", "40",
                                          *common]).stdout)
     run = json.loads(invoke("bench", str(folder), "--methods", "h2o", "--cache", "40", "--out", str(tmp_path / "out"),
-                           "--no-plot", *common).stdout)["runs"][0]
+                           "--no-plots", *common).stdout)["runs"][0]
     for key in ("tokens", "bytes", "nll", "ppl", "bits_per_byte", "kv_cache_bytes", "full_kv_cache_bytes",
                 "max_cache_tokens", "params"):
         assert run[key] == ppl[key], key
@@ -113,7 +126,7 @@ def test_bench_scores_what_ppl_stream_scores(invoke, tiny_model_dir, tmp_path):
 def test_interrupted_grid_keeps_finished_runs_and_resumes(invoke, tiny_model_dir, alice, tmp_path, monkeypatch):
     out = tmp_path / "out"
     args = [alice, "--model", str(tiny_model_dir), "--methods", "streamingllm,tova", "--cache", "32,64", "--block",
-            "16", "--max-tokens", "120", "--out", str(out), "--no-plot"]
+            "16", "--max-tokens", "120", "--out", str(out), "--no-plots"]
     real_measure = kvcli.bench.grid.measure
     calls = []
 
@@ -144,7 +157,7 @@ def test_other_settings_are_kept_and_only_exact_matches_skipped(invoke, tiny_mod
     out = tmp_path / "out"
     common = ["--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "32", "--block", "16",
               "--out", str(out), "--json", "--quiet"]
-    invoke("bench", alice, "--max-tokens", "100", *common, "--no-plot")
+    invoke("bench", alice, "--max-tokens", "100", *common, "--no-plots")
     longer = json.loads(invoke("bench", alice, "--max-tokens", "150", *common).stdout)
     assert longer["skipped"] == 0 and [r["tokens"] for r in longer["runs"]] == [150]
     options = json.loads(invoke("bench", alice, "--max-tokens", "150", *common, "-o", "sinks=2").stdout)
@@ -181,13 +194,14 @@ def test_bad_input_is_one_line_before_loading_the_model(invoke, args, message, c
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_without_matplotlib_warns_once_and_writes_results(invoke, tiny_model_dir, alice, tmp_path, monkeypatch):
+def test_an_install_without_matplotlib_warns_once_and_writes_results(invoke, tiny_model_dir, alice, tmp_path,
+                                                                     monkeypatch):
     monkeypatch.setattr("kvcli.plots.have_matplotlib", lambda: False)
     out = tmp_path / "out"
     result = invoke("bench", alice, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "32",
                     "--block", "16", "--max-tokens", "50", "--out", str(out))
     assert result.exit_code == 0
-    assert result.stderr.count("matplotlib") == 1
+    assert result.stderr.count("warning") == 1 and "(pip install matplotlib)" in result.stderr  # the hint survives
     assert (out / "results.json").exists() and not list(out.glob("*.png"))
 
 
@@ -206,7 +220,6 @@ def test_smooth_curve_weights_blocks_by_scored_tokens():
     assert smoothed[47] == 3.0 and smoothed[63] == 2.0
 
 
-@pytest.mark.skipif(not have_matplotlib(), reason="matplotlib is not installed")
 def test_plots_of_runs_from_different_settings(tmp_path):
     """Runs of two models in one results.json become separate, labelled lines rather than one mixed line."""
     def run(model, method, cache, ppl):

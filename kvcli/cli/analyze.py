@@ -37,6 +37,7 @@ def analyze(
                                              "layers.")] = 0.5,
     json_out: Annotated[bool, typer.Option("--json", help="Print analysis.json on stdout instead of the "
                                            "summary.")] = False,
+    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw the five PNGs beside analysis.json.")] = True,
     *,
     setup: Setup,
 ) -> None:
@@ -47,7 +48,7 @@ def analyze(
     from kvcli.analysis import write_plots
     from kvcli.cli.render import summary_lines
     from kvcli.needle import book_tokens
-    from kvcli.plots import have_matplotlib
+    from kvcli.plots import MISSING, have_matplotlib
     from kvcli.report import dumps, print_result
 
     if max_tokens < 2 or queries < 1 or bins < 1 or levels < 1:
@@ -81,11 +82,11 @@ def analyze(
               "seconds": round(time.perf_counter() - started, 3)}
     out.mkdir(parents=True, exist_ok=True)
     files = []
-    if have_matplotlib():
+    if plots and have_matplotlib():
         step("drawing")
         files = [str(path) for path in write_plots(result, out)]
-    else:
-        setup.say("plots need matplotlib (pip install 'kvcli[plot]'): writing analysis.json only")
+    elif plots:
+        setup.say(f"{MISSING}: writing analysis.json only")
     json_path = out / "analysis.json"
     result["files"] = [str(json_path), *files]
     text = dumps(result)

@@ -40,8 +40,8 @@ def bench(
                                       "same folder skips the runs it already has.")] = Path("bench"),
     block: BlockOpt = "auto",
     option: MethodsOptionOpt = None,
-    plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw ppl_vs_cache.png and nll_vs_position.png "
-                                       "(needs matplotlib).")] = True,
+    plot: Annotated[bool, typer.Option("--plots/--no-plots", "--plot/--no-plot", help="Draw ppl_vs_cache.png and "
+                                       "nll_vs_position.png beside results.json.")] = True,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print the table as Markdown (for docs).")] = False,
     kl: Annotated[bool, typer.Option("--kl/--no-kl", help="Run full attention once as a reference and give "
                                      "every run its KL divergence from it (mean, 99th percentile, same top "
@@ -102,14 +102,14 @@ def bench(
 
 
 def _plots(grid, out: Path, plot: bool, setup: Setup) -> list[Path]:
-    """Plots of every run in results.json; without matplotlib, one warning and no pictures."""
+    """Plots of every run in results.json; an install missing matplotlib (a dependency) gets one warning, no PNGs."""
     from kvcli.bench import plot_results
-    from kvcli.plots import have_matplotlib
+    from kvcli.plots import MISSING, have_matplotlib
 
     if not plot or not grid.results["runs"]:
         return []
     if not have_matplotlib():
-        setup.say("plots need matplotlib (pip install 'kvcli[plot]'): results.json written, no PNGs")
+        setup.say(f"{MISSING}: results.json written, no PNGs")
         return []
     paths = plot_results(grid.results, out)
     for path in paths:
