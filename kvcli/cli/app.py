@@ -14,7 +14,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from kvcli.cli import analyze, bench, listing, needle, perplexity, pod, reading, speed
+from kvcli.cli import analyze, bench, cache, listing, needle, perplexity, pod, reading, speed
 from kvcli.errors import BudgetError, KvcliError, UsageError
 
 
@@ -57,6 +57,7 @@ app.command()(pod.adapt)
 app.command()(listing.methods)
 app.command()(listing.models)
 app.command()(listing.presets)
+app.add_typer(cache.app, name="cache")
 
 
 def main() -> None:

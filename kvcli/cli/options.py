@@ -89,11 +89,11 @@ class Setup:
         return open_source(source, encoding=self.encoding, data_dir=data_dir, warn=self.say)
 
     def load(self):
-        """The model (loaded once per process)."""
+        """The model (loaded once per process; a GGUF through the model cache, whose warnings follow ``--quiet``)."""
         from kvcli.models import load_model
 
         return load_model(self.model, device=self.device, dtype=self.dtype, device_map=self.device_map,
-                          load_in_4bit=self.load_in_4bit, load_in_8bit=self.load_in_8bit)
+                          load_in_4bit=self.load_in_4bit, load_in_8bit=self.load_in_8bit, warn=self.say)
 
     def build_engine(self, loaded, method, budget: int | None, block: int | None):
         """An engine for ``loaded`` whose warnings follow ``--quiet``."""

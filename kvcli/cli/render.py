@@ -98,6 +98,25 @@ def presets_listing(found: list, user_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def cache_listing(entries: list, folder: Path) -> str:
+    """``kvcli cache``: each converted model (:class:`kvcli.modelcache.Entry`) with its size and source, then the
+    folder and the total."""
+    lines = []
+    for entry in entries:
+        manifest = entry.manifest or {}
+        variant = manifest.get("variant") or {}
+        state = f"  ({entry.problem}: rebuilt on next use)" if entry.problem else ""
+        lines.append(f"{entry.name}  {mib(entry.bytes)}{state}")
+        source = (manifest.get("source") or {}).get("path")
+        if source:
+            made = ", ".join(f"{k} {v}" for k, v in variant.items())
+            lines.append(f"  from {source}" + (f" ({made})" if made else ""))
+    total = sum(entry.bytes for entry in entries)
+    count = f"{len(entries)} cached model{'' if len(entries) == 1 else 's'}"
+    lines.append(f"{count}, {mib(total)} in {folder} (KVCLI_CACHE moves it; `kvcli cache clear` empties it)")
+    return "\n".join(lines)
+
+
 def _short(value) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}={v}" for k, v in value.items()) + "}"
