@@ -10,7 +10,7 @@ import kvcli
 ROOT = Path(kvcli.__file__).parent
 #: Layer of each top-level module or package of kvcli; a module may import only its own layer or lower ones.
 LAYERS = {
-    "cli": 4, "__main__": 4,
+    "cli": 4, "__main__": 4, "lm_eval": 4,
     "perplexity": 3, "kl": 3, "generate": 3, "needle": 3, "bench": 3, "analysis": 3, "adapt": 3, "corpus": 3,
     "checkpoint": 3,
     "models": 2, "text": 2, "presets": 2,
