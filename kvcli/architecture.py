@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvcli.errors import UnsupportedModelError
+from kvcli.lazy import torch
 
 #: RoPE types whose frequencies are fixed once the model is built: a key rotated at position p moves
 #: to p' by one more rotation, exactly. (YaRN and LongRoPE also scale cos/sin by a constant, which

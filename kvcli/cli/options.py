@@ -229,11 +229,12 @@ def check_at_least(minimum: int, **values: int | None) -> None:
 
 def build_method(name: str, options: dict[str, str] | list[str] | None, cache: int):
     """The method ``name`` with its ``-o`` options, checked against the budget ``--cache`` before any model loads."""
-    from kvcli.engine import check_budget
     from kvcli.methods import make_method
 
     check_cache(cache)
     method = make_method(name, options if isinstance(options, dict) else parse_options(options))
+    from kvcli.engine import check_budget  # after the checks that need no torch, so their errors come fast
+
     check_budget(method, cache)
     return method
 

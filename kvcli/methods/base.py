@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-import torch.nn.functional as F
-
-from kvcli.cache import KVCache, LayerView
 from kvcli.errors import BudgetError, UsageError
+from kvcli.lazy import F, torch
+
+if TYPE_CHECKING:
+    from kvcli.cache import KVCache, LayerView
 
 
 def param(default, help: str, **kwargs):
@@ -39,6 +39,8 @@ class Method:
 
     def new_cache(self, model: torch.nn.Module) -> KVCache:
         """The cache this method streams into: kvcli's ordinary one unless the method stores keys its own way."""
+        from kvcli.cache import KVCache
+
         return KVCache.for_model(model)
 
     def score_window(self, block_len: int) -> int:

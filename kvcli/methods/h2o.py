@@ -9,12 +9,14 @@ head keeps the sinks, the recent window and its heavy hitters (highest accumulat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvcli.cache import LayerView
+from kvcli.lazy import torch
 from kvcli.methods.base import AUTO_RECENT_HELP, ScoredMethod, group_mean, param
 from kvcli.methods.registry import register
+
+if TYPE_CHECKING:
+    from kvcli.cache import LayerView
 
 STATE = "h2o"
 

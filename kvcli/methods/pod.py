@@ -12,16 +12,18 @@ section of docs/methods.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvcli.cache import LayerView
 from kvcli.errors import BudgetError, UsageError
+from kvcli.lazy import torch
 from kvcli.methods.base import Method, param
 from kvcli.methods.registry import METHODS, register
 from kvcli.pod.attention import SharingPlan
-from kvcli.pod.cache import PodCache
 from kvcli.pod.groups import GroupsFile, resolve
+
+if TYPE_CHECKING:
+    from kvcli.cache import LayerView
+    from kvcli.pod.cache import PodCache
 
 #: Selection methods PoD can run on the distant region: they choose per KV head with a uniform budget.
 SELECTORS = ("streamingllm", "snapkv", "treekv", "h2o", "tova")
@@ -150,4 +152,6 @@ class PoD(Method):
         return SharingPlan(self.layer_groups(config).leads(), self.sinks, self.recent, self.tau)
 
     def new_cache(self, model: torch.nn.Module) -> PodCache:
+        from kvcli.pod.cache import PodCache
+
         return PodCache.for_model(model, self.plan(model.config))

@@ -69,11 +69,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvcli.cache import LayerView
 from kvcli.errors import UsageError
+from kvcli.lazy import torch
 from kvcli.methods.base import (
     ScoredMethod,
     Split,
@@ -86,6 +85,9 @@ from kvcli.methods.base import (
 )
 from kvcli.methods.pyramidkv import apportion
 from kvcli.methods.registry import register
+
+if TYPE_CHECKING:
+    from kvcli.cache import LayerView
 
 STATE = "pyramidinfer"
 

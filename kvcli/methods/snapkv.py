@@ -9,13 +9,15 @@ top-scoring tokens next to the window tokens themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvcli.cache import LayerView
 from kvcli.errors import UsageError
+from kvcli.lazy import torch
 from kvcli.methods.base import ScoredMethod, check_split, group_mean, param, pool_scores
 from kvcli.methods.registry import register
+
+if TYPE_CHECKING:
+    from kvcli.cache import LayerView
 
 
 def check_pooling(window: int, kernel: int, pooling: str) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvcli.cache import LayerView
+from kvcli.lazy import torch
 from kvcli.methods.base import Method, check_budget, param
 from kvcli.methods.registry import register
+
+if TYPE_CHECKING:
+    from kvcli.cache import LayerView
 
 
 @register

@@ -10,12 +10,14 @@ a block of any size is cut back to the budget at once, and the fair split of the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvcli.cache import LayerView
+from kvcli.lazy import torch
 from kvcli.methods.base import AUTO_RECENT_HELP, ScoredMethod, param
 from kvcli.methods.registry import register
+
+if TYPE_CHECKING:
+    from kvcli.cache import LayerView
 
 
 @register

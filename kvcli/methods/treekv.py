@@ -23,13 +23,15 @@ the question's attention peaks sit out that block's sweep (see docs/methods.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvcli.cache import LayerView
 from kvcli.errors import UsageError
+from kvcli.lazy import torch
 from kvcli.methods.base import Method, Split, check_budget, group_mean, param, pool_scores, select_top
 from kvcli.methods.registry import register
+
+if TYPE_CHECKING:
+    from kvcli.cache import LayerView
 
 AUTO_TREE_BLOCK = 16  # unit of block-level eviction when tree_block=0 and a call prefills an empty cache
 SCORE = "treekv_s"  # accumulated attention S, per token (gathered with K/V by the cache)

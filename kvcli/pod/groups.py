@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-import torch
-
 from kvcli.errors import UsageError
+from kvcli.lazy import torch
 
 FORMAT = "kvcli-pod-groups/1"
 #: A model folder written by PoD's post-training holds its groups under this name (``auto`` finds them).
