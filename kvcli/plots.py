@@ -35,10 +35,13 @@ def have_matplotlib() -> bool:
     return True
 
 
-def save_figure(fig, path: Path) -> Path:
-    """Write ``fig`` as a PNG at ``path`` and free it (long grids draw many figures)."""
+def save_figure(fig, path: Path, tight: bool = True) -> Path:
+    """Write ``fig`` as a PNG at ``path`` and free it (long grids draw many figures). ``tight=False`` for a
+    figure laid out by matplotlib's constrained layout (a colour bar shared by panels), which
+    ``tight_layout`` would undo."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    if tight:
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
     return path

@@ -152,8 +152,10 @@ def test_needle_grid_json_and_table(invoke, tiny_model_dir, tmp_path):
     text.write_text(TEXT * 3)
     methods = "streamingllm,snapkv" if "snapkv" in METHODS else "streamingllm,full"
     common = ["needle", str(text), *tiny(tiny_model_dir), "--methods", methods, "--lengths", "300", "--depths",
-              "0.25,75%", "--trials", "2", "--cache", "48", "--block", "32", "--max-new-tokens", "3"]
+              "0.25,75%", "--trials", "2", "--cache", "48", "--block", "32", "--out", str(tmp_path / "out"),
+              "--max-new-tokens", "3"]
     data = json.loads(invoke(*common, "--json").stdout)
+    assert (tmp_path / "out" / "needle.png").read_bytes()[:4] == b"\x89PNG"  # drawn by default, --json or not
     assert len(data["trials"]) == 2 * 2 * 2
     first = data["trials"][0]
     assert {"method", "length", "depth", "trial", "key", "answer", "correct", "prompt_tokens"} <= set(first)
@@ -171,17 +173,20 @@ def test_needle_grid_json_and_table(invoke, tiny_model_dir, tmp_path):
     assert "pass-key accuracy" in table and "by depth" in table and "300 tokens" in table and "95% CI" in table
 
 
-def test_needle_method_options(invoke, tiny_model_dir, tmp_path):
+def test_needle_method_options(invoke, tiny_model_dir, tmp_path, monkeypatch):
     from kvcli.methods import METHODS
+
+    monkeypatch.chdir(tmp_path)  # --no-plots: nothing is written to the default --out ./needle
 
     if "snapkv" not in METHODS:
         pytest.skip("snapkv is not registered yet")
     text = tmp_path / "haystack.txt"
     text.write_text(TEXT)
     common = ["needle", str(text), *tiny(tiny_model_dir), "--methods", "streamingllm,snapkv", "--lengths", "200",
-              "--depths", "0.5", "--cache", "48", "--max-new-tokens", "1", "--json"]
+              "--depths", "0.5", "--cache", "48", "--max-new-tokens", "1", "--json", "--no-plots"]
     data = json.loads(invoke(*common, "-o", "kernel=3", "-o", "streamingllm.sinks=2").stdout)
     assert data["params"]["snapkv"]["kernel"] == 3 and data["params"]["streamingllm"]["sinks"] == 2
     for option, message in (("nosuch=1", "none of"), ("treekv.sinks=1", "not one of --methods")):
         result = invoke(*common, "-o", option)
         assert result.exit_code == 2 and message in result.stderr
+    assert not (tmp_path / "needle").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -52,13 +53,17 @@ def needle(
     probe: ProbeOpt = True,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every trial and the accuracy "
                                            "tables.")] = False,
+    out: Annotated[Path, typer.Option("--out", help="Folder for needle.png, the accuracy per method as a map "
+                                      "of length x depth.")] = Path("needle"),
+    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw needle.png in --out.")] = True,
     *,
     setup: Setup,
 ) -> None:
-    """Pass-key retrieval as a grid: methods x lengths x depths, accuracy on stdout."""
+    """Pass-key retrieval as a grid: methods x lengths x depths, accuracy on stdout, a map in --out."""
     from kvcli.cli.render import needle_tables
     from kvcli.methods import METHODS
     from kvcli.needle import DEFAULT_TRIALS, book_tokens, run_grid
+    from kvcli.outputs import check_output
     from kvcli.report import dumps, print_result
 
     method_list = split_list(methods, str, "--methods")
@@ -72,6 +77,8 @@ def needle(
     block_size = parse_block(block)
     check_cache(cache)
     per_method = method_options(method_list, option)
+    if plots:
+        check_output(out, "--out", folder=True)  # before the grid, not after it
     documents = setup.documents(source)
     loaded = setup.load()
     tokens = book_tokens(documents, loaded.tokenizer, max(length_list) * trials)
@@ -89,3 +96,16 @@ def needle(
         print_result(dumps({"model": loaded.name, **result.as_dict()}))
     else:
         print_result(needle_tables(result, loaded.name))
+    if plots and result.trials:
+        _plot(result, out, loaded.name, setup)
+
+
+def _plot(result, out: Path, model: str, setup: Setup) -> None:
+    """needle.png from the result; an install missing matplotlib (a dependency) gets one warning, no PNG."""
+    from kvcli.needle_plot import NEEDLE_PLOT, plot_needle
+    from kvcli.plots import MISSING, have_matplotlib
+
+    if not have_matplotlib():
+        setup.say(f"{MISSING}: no {NEEDLE_PLOT}")
+        return
+    setup.note(f"wrote {plot_needle(result.as_dict(), out / NEEDLE_PLOT, model)}")
