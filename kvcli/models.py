@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvcli import modelcache
-from kvcli.errors import KvcliError
+from kvcli.errors import KvcliError, UsageError
 from kvcli.modelcache import CacheUnwritable, cache_root
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -116,7 +116,7 @@ def resolve_device(device: str) -> torch.device:
     try:
         return torch.device(device)
     except RuntimeError as exc:
-        raise KvcliError(f"--device {device!r} is not a device torch knows ({exc})") from None
+        raise UsageError(f"--device {device!r} is not a device torch knows ({exc})") from None
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -127,7 +127,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
              "float32": torch.float32, "fp32": torch.float32}
     if dtype not in names:
-        raise KvcliError(f"--dtype {dtype!r}: choose auto, bfloat16, float16 or float32")
+        raise UsageError(f"--dtype {dtype!r}: choose auto, bfloat16, float16 or float32")
     return names[dtype]
 
 
@@ -135,7 +135,7 @@ def _quantization_kwargs(load_in_4bit: bool, load_in_8bit: bool, device: torch.d
     if not (load_in_4bit or load_in_8bit):
         return {}
     if load_in_4bit and load_in_8bit:
-        raise KvcliError("choose one of --load-in-4bit and --load-in-8bit")
+        raise UsageError("choose one of --load-in-4bit and --load-in-8bit")
     flag = "--load-in-4bit" if load_in_4bit else "--load-in-8bit"
     if device.type != "cuda":
         raise KvcliError(f"{flag} needs a CUDA GPU (bitsandbytes); this run is on {device.type}")
@@ -244,6 +244,10 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
         # The GGUF reader unpacks the header field by field and meets the end of a cut file there.
         raise KvcliError(f"cannot read model file {spec}: it is a truncated or corrupt GGUF file") from None
     except (OSError, ValueError) as exc:
+        if path.suffix == ".gguf" and "reshape" in str(exc):
+            # A cut file's tensors end past the file: numpy cannot shape the bytes that remain.
+            raise KvcliError(f"cannot read model file {spec}: it is a truncated or corrupt GGUF file (a tensor "
+                             "runs past its end)") from None
         raise KvcliError(f"could not load model {spec!r}: {_first_line(exc)}") from None
 
     if device_map is None and not (load_in_4bit or load_in_8bit):
