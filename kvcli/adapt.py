@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kvcli.errors import KvcliError, UsageError
+from kvcli.outputs import lock_folder
 from kvcli.pod.attention import (
     SEQUENCE_ATTENTION,
     SHARED_KWARG,
@@ -34,6 +35,8 @@ from kvcli.pod.attention import (
     register_sequence_attention,
 )
 from kvcli.pod.groups import GROUPS_IN_MODEL_FOLDER, GroupsFile
+from kvcli.statefile import load_state as read_state
+from kvcli.statefile import save_state as write_state
 
 STATE_FILE = "adapt-state.pt"
 
@@ -65,24 +68,20 @@ def training_pieces(documents: Iterable, tokenizer, seq_len: int) -> Iterator[to
 
 
 def load_state(path: Path) -> dict:
-    """The saved training state at ``path``, read as data only.
+    """The saved training state at ``path``, read as data only (:func:`kvcli.statefile.load_state`).
 
-    The file sits in a folder other people may write, so it is loaded with ``weights_only=True``:
-    torch's restricted unpickler builds tensors, numbers, strings and containers and refuses any
-    other global, so a crafted file can never run code. Anything that is not a state this module
-    wrote (unreadable, truncated, a key missing or of the wrong type) is one line, never a traceback.
+    The file sits in a folder other people may write: it is never unpickled beyond tensors, numbers,
+    strings and containers, so a crafted file can never run code, and its checksum refuses a cut or
+    altered one. Anything that is not a state this module wrote (unreadable, damaged, a key missing or
+    of the wrong type) is one line, never a traceback.
     """
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - every unreadable file is the same one-line answer
-        raise KvcliError(f"{path} is not a readable kvcli adapt state ({type(exc).__name__}): remove it or use "
-                         "another --out") from None
+    advice = "remove it or use another --out"
+    state = read_state(path, "kvcli adapt state", advice)
     expected = {"model": dict, "optimizer": dict, "step": int, "total": int, "groups": list}
-    if not isinstance(state, dict) or any(not isinstance(state.get(k), t) for k, t in expected.items()):
-        raise KvcliError(f"{path} is not a kvcli adapt state (keys {sorted(expected)} expected): remove it or use "
-                         "another --out")
+    if any(not isinstance(state.get(k), t) or isinstance(state.get(k), bool) for k, t in expected.items()):
+        raise KvcliError(f"{path} is not a kvcli adapt state (keys {sorted(expected)} expected): {advice}")
     if not 0 <= state["step"] <= state["total"]:
-        raise KvcliError(f"{path} is not a kvcli adapt state (step {state['step']} of {state['total']})")
+        raise KvcliError(f"{path} is not a kvcli adapt state (step {state['step']} of {state['total']}): {advice}")
     return state
 
 
@@ -99,7 +98,8 @@ def adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: Groups
 
     One optimizer step per ``seq_len``-token piece (AdamW, cosine learning rate from ``lr``). Every
     ``save_every`` steps and on Ctrl-C the state goes to ``out/adapt-state.pt``; calling again with
-    the same ``out`` resumes after the last saved step (the pieces are deterministic). The model is
+    the same ``out`` resumes after the last saved step (the pieces are deterministic). ``out`` is held
+    for the run (:func:`kvcli.outputs.lock_folder`): a second run into it is refused at once. The model is
     saved to ``out`` as a Hugging Face folder with ``pod_groups.json``. ``on_step(step, total, loss)``
     reports progress.
     """
@@ -111,8 +111,15 @@ def adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: Groups
                          "recent: raise the tokens per sequence or lower the recent window")
     if lr <= 0:
         raise UsageError(f"the learning rate must be positive, not {lr}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with lock_folder(Path(out), "--out") as folder:  # one run per folder: two would overwrite each other's state
+        return _adapt(model, tokenizer, documents, groups, folder, tokens=tokens, seq_len=seq_len, lr=lr,
+                      sinks=sinks, recent=recent, save_every=save_every, seed=seed, on_step=on_step)
+
+
+def _adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: GroupsFile, out: Path, *, tokens: int,
+           seq_len: int, lr: float, sinks: int, recent: int, save_every: int, seed: int,
+           on_step: Callable[[int, int, float], None] | None) -> AdaptResult:
+    """:func:`adapt` in the folder it holds."""
     total = tokens // seq_len
     plan = SharingPlan(groups.leads(), sinks, recent)
     torch.manual_seed(seed)
@@ -132,8 +139,8 @@ def adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: Groups
         start = state["step"]
 
     def save_state(step: int) -> None:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "total": total, "groups": groups.groups}, state_path)
+        write_state(state_path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                                 "total": total, "groups": groups.groups})
 
     register_sequence_attention()
     previous = model.config._attn_implementation

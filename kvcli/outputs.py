@@ -10,13 +10,16 @@ Two ways to write, by what a reader must never see:
   appending again, so after any kind of death the file holds whole rows only.
 
 :func:`check_output` is the one check of an output path, made before any model loads, so a missing
-folder or a file where a folder should be is one line, not a traceback after minutes of work.
+folder, a read-only one or a file where a folder should be is one line, not a traceback after
+minutes of work. :func:`lock_folder` makes a folder one run's own for as long as the run lasts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvcli.errors import KvcliError
@@ -43,9 +46,95 @@ def check_output(path: Path, flag: str, *, folder: bool = False) -> Path:
             raise KvcliError(f"{flag} {path}: no such folder {where}")
         if path.exists() and not os.access(path, os.W_OK):
             raise KvcliError(f"{flag} {path}: permission denied")
-    if not os.access(where, os.W_OK):
-        raise KvcliError(f"{flag} {path}: cannot write in {where} (permission denied)")
+    if not os.access(where, os.W_OK) or not _can_create_in(where):
+        raise KvcliError(f"{flag} {path}: cannot write in {where} (permission denied or a read-only file system)")
     return path
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can really be created in ``folder``: ``os.access`` says yes to root on a read-only mount."""
+    probe = folder / f".kvcli-probe-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return True
+    except OSError:
+        return False
+    probe.unlink(missing_ok=True)
+    return True
+
+
+class SideFailures:
+    """Side files of a run (``--jsonl``, ``--rows``, ``--save-logits``) that failed while it ran.
+
+    A full disk or a vanished folder must not throw away a measurement of hours: the run stops writing
+    the file that failed, finishes, prints its result on stdout, and only then :meth:`check` ends it with
+    one line and exit code 1.
+    """
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.messages.append(message)
+
+    def oserror(self, flag: str, path: Path, exc: OSError) -> None:
+        self.add(f"{flag} {path}: {exc.strerror or exc}")
+
+    def check(self) -> None:
+        if self.messages:
+            more = f" (and {len(self.messages) - 1} more)" if len(self.messages) > 1 else ""
+            raise KvcliError(f"{self.messages[0]}{more}: that file is incomplete; the result on stdout is whole")
+
+
+LOCK_FILE = ".kvcli.lock"
+_HELD: dict[str, list] = {}  # folders this process has locked: resolved path -> [open lock file, depth]
+
+
+@contextmanager
+def lock_folder(folder: Path, flag: str) -> Iterator[Path]:
+    """Hold ``folder`` (created if missing) for one run: a second run that asks for it while this one lasts is
+    refused at once with one line that names the holder's process id.
+
+    The lock is ``fcntl.flock`` on ``folder/.kvcli.lock``: the kernel drops it when the process ends in
+    any way (``kill -9`` included), so a killed run never leaves a stale lock to clean up. The file
+    stays behind, since deleting it would let two runs lock two different files. Locking a folder
+    this process already holds nests (the CLI locks before loading the model, the library again).
+    """
+    import fcntl
+
+    folder = check_output(folder, flag, folder=True)
+    key = str(folder.resolve())
+    if key in _HELD:
+        _HELD[key][1] += 1
+        try:
+            yield folder
+        finally:
+            _HELD[key][1] -= 1
+        return
+    path = folder / LOCK_FILE
+    try:
+        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run, closed below
+    except OSError as exc:
+        raise KvcliError(f"{flag} {folder}: cannot create {LOCK_FILE} ({exc.strerror or exc})") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise KvcliError(f"{flag} {folder} is in use by another kvcli run (process {holder}): wait for it to end, "
+                         "or use another folder") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    _HELD[key] = [handle, 1]
+    try:
+        yield folder
+    finally:
+        del _HELD[key]
+        handle.close()  # closing the file releases the lock
 
 
 def open_output(path: Path, flag: str, mode: str = "w"):

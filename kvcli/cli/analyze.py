@@ -48,6 +48,7 @@ def analyze(
     from kvcli.analysis import write_plots
     from kvcli.cli.render import summary_lines
     from kvcli.needle import book_tokens
+    from kvcli.outputs import check_output
     from kvcli.plots import MISSING, have_matplotlib
     from kvcli.report import dumps, print_result
 
@@ -57,6 +58,7 @@ def analyze(
     if not 0.0 <= threshold <= 1.0:
         raise UsageError(f"--threshold must be between 0 and 1, not {threshold}")
     method_objs = {name: build_method(name, None, cache) for name in split_list(methods, str, "--methods")}
+    check_output(out, "--out", folder=True)  # before the analysis, not after
     documents = setup.documents(source)
     loaded = setup.load()
     block_size = resolve_block(block_size, loaded)

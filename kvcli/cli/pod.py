@@ -42,8 +42,10 @@ def calibrate(
 ) -> None:
     """PoD's layer groups for a model (Algorithm 1, App. B.2): pass the file to `--method pod -o groups=FILE`."""
     from kvcli.analysis.calibrate import calibrate as run_calibration
+    from kvcli.outputs import check_output
     from kvcli.report import dumps, print_result
 
+    check_output(out, "--out")  # before minutes of calibration, not after
     documents = setup.documents(source)
     loaded = setup.load()
     with _bar(setup, samples, "calibrating") as bar:
@@ -87,21 +89,23 @@ def adapt(
     """PoD's light post-training (section 2.2): fine-tune with PoD attention active, save an HF folder."""
     from kvcli.adapt import adapt as run_adapt
     from kvcli.models import discard
+    from kvcli.outputs import lock_folder
     from kvcli.pod.groups import resolve
     from kvcli.report import dumps, print_result
 
     if save_every < 0:
         raise UsageError(f"--save-every must be >= 0, not {save_every}")
-    documents = setup.documents(data)
-    loaded = setup.load()
-    discard(loaded)  # training changes its weights: later loads in this process must not reuse them
-    plan_groups = resolve(groups, loaded.model.config)
-    with _bar(setup, max(tokens // max(seq_len, 1), 1), "adapting") as bar:
-        task = bar.add_task("", total=max(tokens // max(seq_len, 1), 1))
-        result = run_adapt(loaded.model, loaded.tokenizer, documents, plan_groups, out, tokens=tokens,
-                           seq_len=seq_len, lr=lr, sinks=sinks, recent=recent, save_every=save_every,
-                           on_step=lambda step, total, loss: bar.update(task, completed=step,
-                                                                         description=f"loss {loss:.3f}"))
+    with lock_folder(out, "--out"):  # checked and held before the model loads: a second run is refused at once
+        documents = setup.documents(data)
+        loaded = setup.load()
+        discard(loaded)  # training changes its weights: later loads in this process must not reuse them
+        plan_groups = resolve(groups, loaded.model.config)
+        with _bar(setup, max(tokens // max(seq_len, 1), 1), "adapting") as bar:
+            task = bar.add_task("", total=max(tokens // max(seq_len, 1), 1))
+            result = run_adapt(loaded.model, loaded.tokenizer, documents, plan_groups, out, tokens=tokens,
+                               seq_len=seq_len, lr=lr, sinks=sinks, recent=recent, save_every=save_every,
+                               on_step=lambda step, total, loss: bar.update(task, completed=step,
+                                                                             description=f"loss {loss:.3f}"))
     summary = {"out": str(result.out), "steps": result.steps, "total_steps": result.total_steps,
                "tokens": result.tokens, "resumed_from": result.resumed_from, "interrupted": result.interrupted,
                "first_loss": result.losses[0] if result.losses else None,

@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from kvcli.errors import UsageError
+from kvcli.errors import KvcliError, UsageError
 from kvcli.lazy import torch
+from kvcli.outputs import atomic_write
 
 FORMAT = "kvcli-pod-groups/1"
 #: A model folder written by PoD's post-training holds its groups under this name (``auto`` finds them).
@@ -147,10 +148,13 @@ class GroupsFile:
         return out
 
     def save(self, path: str | Path) -> Path:
+        """Write the file whole or not at all (a full disk or a kill never leaves half a groups file)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_dict(), indent=1)
-        path.write_text(text + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise KvcliError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
+        atomic_write(path, (json.dumps(self.to_dict(), indent=1) + "\n").encode("utf-8"))
         return path
 
     @classmethod
