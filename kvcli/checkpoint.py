@@ -1,40 +1,54 @@
 """Checkpoints of one long stream: the whole engine state saved atomically, and continued exactly.
 
-A checkpoint is one file, ``state.pt`` in the checkpoint folder, replaced at once (written beside it,
-then renamed: :func:`kvcli.outputs.atomic_write`), so a kill at any moment leaves the previous
-checkpoint or the new one. It holds:
+A checkpoint is one file, ``state.pt`` in the checkpoint folder, sealed and replaced at once
+(:mod:`kvcli.statefile`: data only, a checksum, written beside it and renamed), so a kill at any
+moment leaves the previous checkpoint or the new one. It holds:
 
 * every cache layer's attributes as they are (keys stored at their entry rotation, values, entry
   positions, stream indices, per-token method state, ``CompressedLayer.method_state``, and what a
   layer subclass adds, such as PoD's proximal keys), and the cache's stream counters;
 * the totals (token counter, NLL sum, blocks), the last hidden state that scores the next block's
-  first token, and the reader offset: how many tokens of the stream were read.
+  first token, and the reader offset: how many tokens of the stream were read;
+* the content read: the SHA-256 of those tokens' ids (:class:`TokenDigest`).
 
-Resuming re-tokenizes the source and skips the tokens already read (tokenizing is cheap next to the
-model, and exact where a byte offset into incremental tokenization would not be), then runs the same
-blocks as an uninterrupted run: on the CPU the totals come out identical. Checkpoints are taken at
-block boundaries only; Ctrl-C or a kill between two checkpoints loses the blocks since the last one.
+Resuming re-tokenizes the source, hashes the tokens already read and compares them with the
+checkpoint's before running anything (tokenizing is cheap next to the model, and exact where a byte
+offset into incremental tokenization would not be). The same text resumes whatever path or pipe
+brings it; other text (a changed file, another stdin) is refused with one line. Then the same blocks
+run as in an uninterrupted run: on the CPU the totals come out identical.
+
+Checkpoints fall on block boundaries that every run of the stream passes through: a multiple of the
+block, or the source's end. The short last block a ``--max-tokens`` limit cuts off is never saved;
+the state before it is, so a finished run extended to more tokens equals the uninterrupted longer
+run. A checkpoint with more tokens than a resumed run's ``--max-tokens`` is refused: its numbers
+cannot be taken back.
 
 A checkpoint names what it was made with (:func:`identity`): another model, method, budget, block,
-dtype or source is refused with one line rather than continued into a meaningless number.
+or dtype is refused with one line rather than continued into a meaningless number. A folder is
+one run's at a time (:func:`kvcli.outputs.lock_folder`), and a run without ``--resume`` never
+overwrites a checkpoint unless told to (:func:`claim`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
+import hashlib
 import re
 import time
+from collections import deque
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvcli.engine import BlockStats, Engine, StreamState, StreamTotals
 from kvcli.errors import KvcliError, UsageError
-from kvcli.outputs import atomic_write, check_output
+from kvcli.outputs import check_output
+from kvcli.statefile import load_state, save_state
 
 FILE = "state.pt"
-FORMAT = 1
+FORMAT = 2  # 2: sealed, with the content's hash and no file names (1: names and sizes, no hash)
 _SKIP = ("owner", "record")  # a layer's back-reference and its transient attention record
 
 
@@ -49,11 +63,81 @@ def parse_every(text: str) -> tuple[int | None, float | None]:
     return None, value * {"s": 1, "m": 60, "h": 3600}[unit]
 
 
-def identity(loaded, engine: Engine, documents: list) -> dict:
-    """What a checkpoint is only valid for: model, method and its parameters, budget, block, dtype, source."""
+def identity(loaded, engine: Engine) -> dict:
+    """What a checkpoint is only valid for: model, method and its parameters, budget, block, dtype.
+
+    The source is not named here (a path can be spelled many ways, stdin has none): the checkpoint
+    holds a hash of the tokens it read instead, checked against the source when resuming.
+    """
     return {"model": loaded.name, "method": engine.method.name, "params": engine.method.settings(),
-            "budget": engine.budget, "block": engine.block, "dtype": str(loaded.dtype),
-            "source": [[doc.name, doc.size] for doc in documents]}
+            "budget": engine.budget, "block": engine.block, "dtype": str(loaded.dtype)}
+
+
+def claim(folder: Path, resume: bool, overwrite: bool) -> Path:
+    """Check, before any model loads, that ``folder`` may take this run's checkpoints.
+
+    ``resume`` needs a checkpoint there; a run that does not resume refuses a folder holding one unless
+    ``overwrite`` says to start over, so that no run silently replaces another's hours of work.
+    """
+    folder = check_output(folder, "--checkpoint", folder=True)
+    held = (folder / FILE).exists()
+    if resume and overwrite:
+        raise UsageError("--resume continues the checkpoint and --overwrite replaces it: choose one")
+    if resume and not held:
+        raise KvcliError(f"--checkpoint {folder}: no checkpoint to resume ({FILE} is missing)")
+    if held and not resume and not overwrite:
+        raise UsageError(f"--checkpoint {folder} holds a checkpoint: add --resume to continue it, --overwrite to "
+                         "start over, or choose another folder")
+    return folder
+
+
+class TokenDigest:
+    """The token lists of a stream, passed on as they are read, with a SHA-256 of the ids up to any position.
+
+    The hash covers ids as little-endian int32, in stream order (what :func:`kvcli.kl.token_digest`
+    hashes too). Tokens read but not yet hashed wait in a queue, so :meth:`digest` can give the hash of
+    exactly the tokens a checkpoint covers while the reader is a block or a chunk ahead.
+    """
+
+    def __init__(self, chunks: Iterable[list[int]]):
+        self.source = iter(chunks)
+        self.hash = hashlib.sha256()
+        self.hashed = 0  # tokens in self.hash
+        self.read = 0  # tokens taken from the source
+        self.pending: deque[list[int]] = deque()  # tokens read, not hashed yet, in order
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for ids in list(self.pending):  # read by skip() after the skipped tokens: not given out yet
+            yield ids
+        for ids in self.source:
+            self.pending.append(ids)
+            self.read += len(ids)
+            yield ids
+
+    def _hash_to(self, position: int) -> None:
+        while self.hashed < position:
+            ids = self.pending.popleft()
+            take = min(len(ids), position - self.hashed)
+            self.hash.update(np.asarray(ids[:take], dtype="<i4").tobytes())
+            self.hashed += take
+            if take < len(ids):
+                self.pending.appendleft(ids[take:])
+
+    def digest(self, position: int) -> str:
+        """SHA-256 of the first ``position`` tokens (all read already; positions only move forward)."""
+        self._hash_to(position)
+        return self.hash.hexdigest()
+
+    def skip(self, count: int) -> bool:
+        """Read and hash the first ``count`` tokens without giving them out; False if the source has fewer."""
+        while self.read < count:
+            ids = next(self.source, None)
+            if ids is None:
+                return False
+            self.pending.append(ids)
+            self.read += len(ids)
+        self._hash_to(count)
+        return True
 
 
 def _cpu(value):
@@ -79,29 +163,77 @@ def _to(value, device: torch.device):
 
 
 class Checkpointer:
-    """Saves a stream's state into ``folder`` every ``every_tokens`` tokens or ``every_seconds`` seconds."""
+    """Saves a stream's state into ``folder`` every ``every_tokens`` tokens or ``every_seconds`` seconds.
 
-    def __init__(self, folder: Path, ident: dict, every_tokens: int | None, every_seconds: float | None):
+    :meth:`begin` starts (or, with ``resume``, continues) the stream; the engine then calls
+    :meth:`on_state` after every block, and :meth:`finish` saves the state at the end.
+    """
+
+    def __init__(self, folder: Path, ident: dict, every_tokens: int | None, every_seconds: float | None,
+                 resume: bool = False):
         self.folder = check_output(folder, "--checkpoint", folder=True)
         self.path = self.folder / FILE
         self.ident = ident
         self.every_tokens = every_tokens
         self.every_seconds = every_seconds
+        self.resume = resume
         self.saved_at = (0, time.perf_counter())
         self.last: StreamState | None = None
         self.resumed_from: int | None = None  # the reader offset of the checkpoint this run continued
+        self.digest: TokenDigest | None = None
+        self.block = int(ident["block"])
+        self.limit: int | None = None
+
+    def begin(self, engine: Engine, tokens: Iterable[list[int]], limit: int | None
+              ) -> tuple[StreamState | None, Iterator[list[int]]]:
+        """The state to continue from (None: a fresh stream) and the tokens still to run.
+
+        ``limit`` is how many tokens the run reads at most (``--max-tokens`` + 1). When resuming, the
+        checkpoint's tokens are read again and hashed before anything runs: a source whose first tokens
+        differ from the checkpoint's, or that has fewer, is refused with one line.
+        """
+        self.limit = limit
+        self.digest = TokenDigest(tokens)
+        if not self.resume:
+            return None, iter(self.digest)
+        state, content = self.load(engine)
+        position = state.position
+        if limit is not None and position > limit:
+            raise KvcliError(f"--checkpoint {self.folder} has scored {position - 1:,} tokens, more than --max-tokens "
+                             f"{limit - 1:,}: ask for at least {position - 1:,}, or start over with --overwrite")
+        if not self.digest.skip(position):
+            raise KvcliError(f"--checkpoint {self.folder} read {position:,} tokens, but this source has only "
+                             f"{self.digest.read:,}: it is another text than the checkpoint's (use its source, or "
+                             "start over with --overwrite)")
+        if self.digest.hash.hexdigest() != content:
+            raise KvcliError(f"--checkpoint {self.folder} was made from other text: the first {position:,} tokens of "
+                             "this source differ from those it read (use the same content, by any path or on stdin, "
+                             "or start over with --overwrite)")
+        self.resumed_from = position
+        self.saved_at = (position, time.perf_counter())
+        return state, iter(self.digest)
+
+    def _cut_short(self, position: int) -> bool:
+        """Whether ``position`` ends a last block that ``--max-tokens`` cut short: a state no longer run has."""
+        return position % self.block != 0 and self.limit is not None and position >= self.limit
 
     def on_state(self, state: StreamState) -> None:
-        """After every block: save when enough tokens or time have passed since the last save."""
+        """After every block: save when enough tokens or time have passed since the last save, and always at
+        the last whole block before a ``--max-tokens`` cut (what extending the run continues from)."""
         self.last = state
+        position = state.position
         tokens, when = self.saved_at
-        if (self.every_tokens is not None and state.position - tokens >= self.every_tokens) or (
-                self.every_seconds is not None and time.perf_counter() - when >= self.every_seconds):
+        if position == tokens or self._cut_short(position):
+            return
+        boundary = None if self.limit is None else self.limit - self.limit % self.block
+        if (position == boundary or (self.every_tokens is not None and position - tokens >= self.every_tokens)
+                or (self.every_seconds is not None and time.perf_counter() - when >= self.every_seconds)):
             self.save(state)
 
     def finish(self) -> None:
-        """Save the final state of a stream read to its end (resuming it then just reports)."""
-        if self.last is not None and self.saved_at[0] != self.last.position:
+        """Save the final state of a stream that ran to its end (resuming it then just reports), unless it is
+        the short block a ``--max-tokens`` limit cut off: the state before that one is saved already."""
+        if self.last is not None and self.saved_at[0] != self.last.position and not self._cut_short(self.last.position):
             self.save(self.last)
 
     def save(self, state: StreamState) -> None:
@@ -109,58 +241,82 @@ class Checkpointer:
         totals = dataclasses.asdict(state.totals)
         payload = {
             "format": FORMAT, "identity": self.ident, "position": state.position,
+            "content": self.digest.digest(state.position) if self.digest is not None else None,
             "previous": _cpu(state.previous), "totals": totals,
             "cache": {"block_start": cache.block_start, "stream_start": cache.stream_start,
                       "keep_positions": cache.keep_positions,
                       "layers": [{k: _cpu(v) for k, v in vars(layer).items() if k not in _SKIP}
                                  for layer in cache.layers]},
         }
-        buffer = io.BytesIO()
-        torch.save(payload, buffer)
-        atomic_write(self.path, buffer.getvalue())
+        save_state(self.path, payload)
         self.saved_at = (state.position, time.perf_counter())
 
-    def load(self, engine: Engine) -> StreamState:
-        """The saved state, on ``engine``'s device, after checking it was made with the same settings."""
+    def load(self, engine: Engine) -> tuple[StreamState, str]:
+        """The saved state, on ``engine``'s device, and the hash of the tokens it read, after checking it was
+        made with the same settings. Whatever is not a whole checkpoint of this format is one line."""
         if not self.path.is_file():
             raise KvcliError(f"--checkpoint {self.folder}: no checkpoint to resume ({FILE} is missing)")
-        try:
-            payload = torch.load(self.path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is the same one-line answer
-            raise KvcliError(f"--checkpoint {self.folder}: {FILE} is not a readable kvcli checkpoint "
-                             f"({type(exc).__name__})") from None
-        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-            raise KvcliError(f"--checkpoint {self.folder}: {FILE} is not a kvcli checkpoint of format {FORMAT}")
-        saved = payload["identity"]
+        advice = "start over with --overwrite, or use another folder"
+        payload = load_state(self.path, "kvcli checkpoint", advice)
+        if payload.get("format") != FORMAT:
+            raise KvcliError(f"--checkpoint {self.folder}: {FILE} is not a kvcli checkpoint of format {FORMAT}: "
+                             f"{advice}")
+        saved = payload.get("identity")
+        if not isinstance(saved, dict):
+            raise KvcliError(f"--checkpoint {self.folder}: {FILE} is damaged (no identity): {advice}")
         for key, value in self.ident.items():
             if saved.get(key) != value:
-                shown = "the source" if key == "source" else f"{key} {saved.get(key)!r}"
-                raise KvcliError(f"--checkpoint {self.folder} was made with {shown}, not this run's: resume with "
-                                 "the same model, method, budget, block, dtype and source, or use another folder")
+                raise KvcliError(f"--checkpoint {self.folder} was made with {key} {saved.get(key)!r}, not this run's "
+                                 f"{value!r}: resume with the same model, method, budget, block and dtype, or "
+                                 "use another folder")
+        try:
+            state, content = self._restore(payload, engine)
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
+            what = f"{exc.args[0]!r} is missing" if isinstance(exc, KeyError) else f"{type(exc).__name__}"
+            raise KvcliError(f"--checkpoint {self.folder}: {FILE} is damaged ({what}): {advice}") from None
+        return state, content
+
+    def _restore(self, payload: dict, engine: Engine) -> tuple[StreamState, str]:
+        """The engine state a payload describes; any key missing, of the wrong type or of the wrong shape raises."""
         device = engine.device
+        position, content = payload["position"], payload["content"]
+        if not isinstance(position, int) or position < 1 or not isinstance(content, str):
+            raise ValueError("position or content")
         cache = engine.new_cache()
         saved_cache = payload["cache"]
-        cache.block_start = saved_cache["block_start"]
-        cache.stream_start = saved_cache["stream_start"]
-        cache.keep_positions = saved_cache["keep_positions"]
+        cache.block_start = int(saved_cache["block_start"])
+        cache.stream_start = int(saved_cache["stream_start"])
+        cache.keep_positions = bool(saved_cache["keep_positions"])
         for layer, attributes in zip(cache.layers, saved_cache["layers"], strict=True):
+            # Only the data attributes a layer has (or gets on its first block) are restored: never a method.
+            allowed = (set(vars(layer)) | {"dtype", "device"}) - set(_SKIP)
             for key, value in attributes.items():
+                if key not in allowed:
+                    raise ValueError(key)
                 setattr(layer, key, _to(value, device))
             layer.device = device
+            _check_layer(layer)
         totals_dict = dict(payload["totals"])
         blocks = [BlockStats(**block) for block in totals_dict.pop("blocks")]
         totals = StreamTotals(**totals_dict, blocks=blocks)
+        if not isinstance(totals.tokens, int) or not 0 <= totals.tokens < position or totals.processed != position:
+            raise ValueError("totals")
         previous = payload["previous"]
-        self.resumed_from = payload["position"]
-        self.saved_at = (payload["position"], time.perf_counter())
-        return StreamState(cache, totals, None if previous is None else previous.to(device), payload["position"])
+        if not isinstance(previous, torch.Tensor) or previous.dim() != 2:
+            raise TypeError("previous")
+        return StreamState(cache, totals, previous.to(device), position), content
 
 
-def skip_tokens(chunks, count: int):
-    """The token lists of ``chunks`` after the first ``count`` tokens (a resumed stream's reader)."""
-    for ids in chunks:
-        if count >= len(ids):
-            count -= len(ids)
-            continue
-        yield ids[count:]
-        count = 0
+def _check_layer(layer) -> None:
+    """Raise if a restored layer's tensors do not fit together: keys and values ``[1, H, T, D]`` with the same
+    ``T`` as the ``[H, T]`` bookkeeping."""
+    if layer.keys is None:
+        return
+    keys, values = layer.keys, layer.values
+    if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == values.dim() == 4):
+        raise TypeError("keys")
+    length = values.shape[2]
+    for name in ("entry_pos", "token_idx"):
+        value = getattr(layer, name)
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] != length:
+            raise ValueError(name)

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcli.distributed import Ranks
-from kvcli.outputs import RowLog, read_rows
+from kvcli.errors import KvcliError
+from kvcli.outputs import RowLog, SideFailures, read_rows
 from kvcli.text import Document
 
 #: What a command does with one document: its row (without the ``document`` key, which the job
@@ -69,11 +70,13 @@ def _parts(path: Path) -> list[Path]:
 
 def run_corpus(documents: list[Document], process: Process, *, rows_path: Path | None = None,
                flag: str = "--rows", resume: bool = False, ranks: Ranks | None = None,
-               on_row: Callable[[dict], None] | None = None) -> CorpusResult:
+               on_row: Callable[[dict], None] | None = None, failures: SideFailures | None = None) -> CorpusResult:
     """Run ``process`` over the documents this rank is dealt and gather every row on rank 0.
 
     ``on_row`` sees each row this rank finishes, as it finishes (a command printing rows as they
-    come). ``resume`` skips documents whose rows are in ``rows_path`` or its part files.
+    come). ``resume`` skips documents whose rows are in ``rows_path`` or its part files. With
+    ``failures``, a rows file that cannot be written any more (a full disk) is noted there and the job
+    goes on without it, so its result is still reported; without, the error ends the job.
     """
     ranks = ranks or Ranks()
     started = time.perf_counter()
@@ -115,7 +118,13 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
             cut = index
             break
         if log is not None:
-            log.append(row)
+            try:
+                log.append(row)
+            except KvcliError as exc:
+                if failures is None:
+                    raise
+                failures.add(str(exc))
+                log = None
 
     gathered = ranks.gather((mine, cut))
     if gathered is None:  # not rank 0: its rows are in its part file and on rank 0
@@ -139,7 +148,13 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
     if rows_path is not None and (ranks.distributed or _parts(rows_path)):
         names = {doc.name for doc in documents}
         others = [row for name, row in done.items() if name not in names]  # rows of other documents stay
-        RowLog(rows_path, flag).rewrite(written + others)
+        try:
+            RowLog(rows_path, flag).rewrite(written + others)
+        except KvcliError as exc:
+            if failures is None:
+                raise
+            failures.add(str(exc))
+            return CorpusResult(rows, new, time.perf_counter() - started, bool(cuts), ranks)  # the parts stay
         for part in _parts(rows_path):
             part.unlink()
     return CorpusResult(rows, new, time.perf_counter() - started, bool(cuts), ranks)

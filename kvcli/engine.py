@@ -93,6 +93,9 @@ def check_budget(method: Method, budget: int | None) -> int | None:
     budget that holds what it always keeps. Errors name the budget, not a flag: the CLI, which
     knows the flag, words them for the user (see :class:`kvcli.errors.BudgetError`).
     """
+    from kvcli.methods.registry import check_params
+
+    check_params(method)  # parameters in their ranges first: a method made in Python skipped make_method's check
     if method.unbounded:
         return None
     if budget is None or budget < 1:
@@ -338,7 +341,8 @@ class Engine:
         """Stream tokens through the model and sum the NLL of every token after the first.
 
         ``score_from`` skips scoring the first tokens (they are still read into the cache), for the
-        sliding-window protocol. Ctrl-C ends the stream early with what was measured so far.
+        sliding-window protocol. Ctrl-C ends the stream early with what was measured so far: the totals
+        of the blocks scored whole, nothing of the block it cut.
         ``state`` continues a stream from a checkpoint (``token_chunks`` then hold the tokens after
         ``state.position``); ``on_state`` sees the state after every block, for checkpoints.
         ``on_logits`` sees the scored tokens' log-probabilities (KL against a reference).
@@ -356,13 +360,14 @@ class Engine:
         clock = [time.perf_counter()]
 
         def settle() -> None:
-            nll, scored, size, position, cache_tokens = pending.pop(0)
+            nll, scored, size, position, cache_tokens, cache_bytes = pending.pop(0)
             value = float(nll)
             now = time.perf_counter()
             elapsed, clock[0] = now - clock[0], now
             totals.tokens += scored
             totals.processed += size
             totals.nll_sum += value
+            totals.kv_cache_bytes = cache_bytes
             stats = BlockStats(position, scored, value / scored if scored else float("nan"), cache_tokens,
                                size / elapsed if elapsed > 0 else 0.0)
             totals.blocks.append(stats)
@@ -381,9 +386,10 @@ class Engine:
                 stream_pos += ids.shape[0]
                 cache_tokens = cache.max_tokens()
                 totals.max_cache_tokens = max(totals.max_cache_tokens, cache_tokens)
+                cache_bytes = cache.nbytes()
                 if pending:
                     settle()
-                pending.append((nll, targets.shape[0] - skip, ids.shape[0], stream_pos - 1, cache_tokens))
+                pending.append((nll, targets.shape[0] - skip, ids.shape[0], stream_pos - 1, cache_tokens, cache_bytes))
                 if not lag:
                     settle()
                 if on_state:
@@ -394,7 +400,10 @@ class Engine:
         while pending:
             settle()
         totals.seconds = time.perf_counter() - started
-        totals.kv_cache_bytes = cache.nbytes()
+        # After Ctrl-C the cache may hold part of a block that was never scored: every figure, the cache's
+        # bytes included, is that of the last block whose tokens the totals count.
+        if not totals.interrupted:
+            totals.kv_cache_bytes = cache.nbytes()
         return totals
 
 

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from kvcli.checkpoint import Checkpointer, skip_tokens
+from kvcli.checkpoint import Checkpointer
 from kvcli.corpus import run_corpus
 from kvcli.distributed import Ranks
 from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals, kv_bytes_per_token
 from kvcli.errors import UsageError
 from kvcli.models import LoadedModel
+from kvcli.outputs import SideFailures
 from kvcli.report import peak_memory_bytes, reset_peak_memory
 from kvcli.text import Document, TokenChunk, TokenFeed, iter_tokens, leading_special_tokens, token_stream
 
@@ -42,7 +43,9 @@ class PerplexityRun:
     def as_dict(self) -> dict:
         totals = self.totals
         per_token = kv_bytes_per_token(self.loaded.model, self.loaded.dtype)
-        bits_per_byte = totals.nll_sum / math.log(2) / totals.num_bytes if totals.num_bytes else float("nan")
+        # Nothing scored (a one-token text) has no bits per byte: null in JSON, not 0.
+        bits_per_byte = (totals.nll_sum / math.log(2) / totals.num_bytes if totals.tokens and totals.num_bytes
+                         else float("nan"))
         out = {
             "model": self.loaded.name, "method": self.method, "params": self.params, "cache": self.cache,
             "block": self.block, "protocol": self.protocol, "tokens": totals.tokens, "nll": totals.nll,
@@ -76,6 +79,7 @@ def evaluate(
     on_document: Callable[[int, Document], None] | None = None,
     checkpoint: Checkpointer | None = None,
     on_logits: LogitsHook | None = None,
+    failures: SideFailures | None = None,
 ) -> tuple[StreamTotals, list[dict], int, dict | None]:
     """Score ``documents``; return the totals, one row per document (unless streamed), peak memory and,
     for documents scored one by one, the job's throughput.
@@ -86,7 +90,8 @@ def evaluate(
     A ``checkpoint`` saves one stream (``stream`` or a single document) as it goes, and continues the
     saved one when ``resume`` is set. ``on_logits`` sees every scored token's log-probabilities in
     stream order, documents one after the other (see :mod:`kvcli.kl`); it needs one process reading
-    every document (no ``resume``, one rank).
+    every document (no ``resume``, one rank). ``failures`` collects a rows file that failed while the job
+    went on (see :class:`kvcli.outputs.SideFailures`).
     """
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
@@ -95,19 +100,22 @@ def evaluate(
     ranks = ranks or Ranks()
 
     def run(chunks: Iterable[TokenChunk], limit: int | None) -> StreamTotals:
-        feed = TokenFeed(chunks, tokenizer, limit)
-        if context is not None:
+        sliding = context is not None
+        feed = TokenFeed(chunks, tokenizer, limit, lookback=engine.block + (context or 0))
+        if sliding:
             totals = engine.score_sliding(feed, context, stride or context, lead=leading_special_tokens(tokenizer),
                                           on_block=on_block, on_logits=on_logits)
         elif checkpoint is not None:
-            state = checkpoint.load(engine) if resume else None
-            tokens = skip_tokens(feed, state.position) if state else feed
+            state, tokens = checkpoint.begin(engine, feed, limit)
             totals = engine.score(tokens, on_block=on_block, state=state, on_state=checkpoint.on_state)
             if not totals.interrupted:
                 checkpoint.finish()
         else:
             totals = engine.score(feed, on_block=on_block, on_logits=on_logits)
-        totals.num_bytes = feed.num_bytes
+        # Bits per byte over the text scored, not the text read ahead: the tokens up to the last one
+        # scored (the sliding protocol scores every token after the first once), or run through the model.
+        covered = (totals.tokens + 1 if totals.tokens else 0) if sliding else totals.processed
+        totals.num_bytes = feed.bytes_at(covered)
         return totals
 
     if checkpoint is not None and not stream:
@@ -132,7 +140,7 @@ def evaluate(
         scored += totals.tokens
         return document_row(totals), not totals.interrupted
 
-    job = run_corpus(documents, process, rows_path=rows_path, resume=resume, ranks=ranks)
+    job = run_corpus(documents, process, rows_path=rows_path, resume=resume, ranks=ranks, failures=failures)
     peaks = ranks.gather(peak_memory_bytes(loaded.device))
     overall = StreamTotals()
     for row in job.rows:

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from kvcli.errors import KvcliError
 from kvcli.lazy import torch
 
 stderr_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -89,19 +90,29 @@ def dumps(value) -> str:
 
 
 def write_stdout(text: str) -> None:
-    """Write to stdout now; a reader that went away (``| head``) ends the program quietly with exit 0.
+    """Write to stdout now; a reader that went away (``| head``) ends the program quietly with exit 0, and
+    a stdout that cannot take the result (closed, a full disk, ``/dev/full``) is one line and exit 1.
 
     stdout is then pointed at /dev/null, so that the interpreter's flush at exit is silent too.
     """
+    if sys.stdout is None:
+        raise KvcliError("stdout is closed: the result has nowhere to go (redirect it to a file or /dev/null)")
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
     except BrokenPipeError:
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass
+        _silence_stdout()
         raise SystemExit(0) from None
+    except OSError as exc:
+        _silence_stdout()
+        raise KvcliError(f"cannot write the result to stdout: {exc.strerror or exc}") from None
+
+
+def _silence_stdout() -> None:
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def print_result(text: str) -> None:

@@ -499,30 +499,57 @@ def token_stream(documents: Iterable[Document], tokenizer: Any, *, special_token
 class TokenFeed:
     """Token ids of a chunk stream, cut after ``limit`` tokens, counting the UTF-8 bytes they cover.
 
-    Iterating yields lists of ids; ``tokens`` and ``num_bytes`` grow as it goes, so a stream that
-    is stopped early (Ctrl-C) still knows what it covered.
+    Iterating yields lists of ids; ``tokens`` and ``num_bytes`` grow as it goes (what was read, which
+    runs ahead of what was scored). :meth:`bytes_at` gives the bytes behind the first ``position``
+    tokens exactly at chunk ends and by decoding inside a chunk, so that a stream stopped early
+    (Ctrl-C) reports bits per byte over the text it scored, not the text read ahead. ``lookback`` is
+    how many tokens the reader may hold unscored (its block, or a window): chunks further back are
+    forgotten, so memory stays bounded however long the stream.
     """
 
-    def __init__(self, chunks: Iterable[TokenChunk], tokenizer: Any, limit: int | None):
+    def __init__(self, chunks: Iterable[TokenChunk], tokenizer: Any, limit: int | None, lookback: int | None = None):
         self.chunks = chunks
         self.tokenizer = tokenizer
         self.limit = limit
+        self.lookback = lookback
         self.tokens = 0
         self.num_bytes = 0
+        self._recent: list[tuple[int, int, list[int], int]] = []  # (first token, bytes before it, ids, bytes)
+
+    def _keep(self, ids: list[int], num_bytes: int) -> None:
+        self._recent.append((self.tokens, self.num_bytes, ids, num_bytes))
+        if self.lookback is not None:
+            horizon = self.tokens - self.lookback
+            while len(self._recent) > 1 and self._recent[1][0] <= horizon:
+                self._recent.pop(0)
+        self.tokens += len(ids)
+        self.num_bytes += num_bytes
 
     def __iter__(self) -> Iterator[list[int]]:
         for chunk in self.chunks:
             ids = chunk.ids
             if self.limit is not None and self.tokens + len(ids) >= self.limit:
                 ids = ids[: self.limit - self.tokens]
-                self.num_bytes += _utf8_len(self.tokenizer.decode(ids)) if ids else 0
-                self.tokens += len(ids)
                 if ids:
+                    self._keep(ids, self._decoded_bytes(ids))
                     yield ids
                 return
-            self.num_bytes += chunk.num_bytes
-            self.tokens += len(ids)
+            self._keep(ids, chunk.num_bytes)
             yield ids
+
+    def _decoded_bytes(self, ids: list[int]) -> int:
+        # Special tokens (BOS, EOS) stand for no text of the document: a chunk's bytes never count them.
+        return _utf8_len(self.tokenizer.decode(ids, skip_special_tokens=True)) if ids else 0
+
+    def bytes_at(self, position: int) -> int:
+        """UTF-8 bytes of the text behind the stream's first ``position`` tokens (all of them read already)."""
+        if position >= self.tokens:
+            return self.num_bytes
+        for first, before, ids, num_bytes in reversed(self._recent):
+            if first <= position:
+                inside = position - first
+                return before + (num_bytes if inside >= len(ids) else self._decoded_bytes(ids[:inside]))
+        return self._recent[0][1] if self._recent else 0  # before what lookback kept: the nearest chunk start
 
 
 def first_tokens(documents: Iterable[Document], tokenizer: Any, limit: int | None, **stream: Any

@@ -45,6 +45,22 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Push whole books through a language model with a KV cache that never grows, and measure the cost.",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from kvcli import __version__
+
+        typer.echo(f"kvcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="Print kvcli's version and exit.")) -> None:
+    """Options of kvcli itself, before the command."""
+
+
 app.command()(perplexity.ppl)
 app.command()(reading.summarize)
 app.command()(reading.ask)
@@ -61,7 +77,19 @@ app.add_typer(cache.app, name="cache")
 
 
 def main() -> None:
-    """Console entry point: Ctrl-C outside a measurement and a closed stdout end quietly too."""
+    """Console entry point: Ctrl-C outside a measurement and a closed stdout end quietly too.
+
+    SIGTERM (``kill``, a batch system's time limit) stops a run as Ctrl-C does: what was measured is
+    printed, marked interrupted, with exit code 130. A stdout closed at start (``>&-``) is one line
+    before any work, since the result would have nowhere to go.
+    """
+    import signal
+
+    if sys.stdout is None:
+        print("kvcli: error: stdout is closed: results have nowhere to go (redirect it to a file or /dev/null)",
+              file=sys.stderr)
+        sys.exit(1)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         app()
     except KeyboardInterrupt:
@@ -69,3 +97,8 @@ def main() -> None:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
+    finally:
+        # The way out is not interrupted: a second Ctrl-C while the interpreter runs its exit handlers (joining
+        # a loader's threads, closing a FIFO) would print their traceback instead of ending quietly.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated
@@ -71,6 +72,8 @@ def ppl(
                                                   "10m, 1h) between checkpoints.")] = "10m",
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run: skip the documents already in "
                                          "--rows, or continue the stream saved in --checkpoint.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start over in a --checkpoint folder that holds "
+                                            "another run's checkpoint, replacing it.")] = False,
     save_logits: Annotated[Path | None, typer.Option("--save-logits", help="Save every scored token's top-k "
                                                      "log-probabilities to this file as it streams: the "
                                                      "reference for --kl-base.")] = None,
@@ -83,12 +86,8 @@ def ppl(
     setup: Setup,
 ) -> None:
     """Streaming perplexity of SOURCE under a fixed-size KV cache, with memory reported."""
-    from kvcli.cli.render import ppl_summary
-    from kvcli.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter, Reference
     from kvcli.methods import make_method
-    from kvcli.outputs import check_output, open_output
-    from kvcli.perplexity import PerplexityRun, evaluate
-    from kvcli.report import StreamProgress, dumps, print_result
+    from kvcli.outputs import check_output
 
     check_at_least(1, max_tokens=max_tokens)
     block_size = parse_block(block)
@@ -115,7 +114,9 @@ def ppl(
     if (save_logits is not None or kl_base is not None) and (resume or checkpoint is not None):
         raise UsageError("--save-logits and --kl-base follow one uninterrupted run token by token: leave out "
                          "--resume and --checkpoint")
-    from kvcli.checkpoint import Checkpointer, identity, parse_every
+    if overwrite and checkpoint is None:
+        raise UsageError("--overwrite goes with --checkpoint (it starts over in a folder holding a checkpoint)")
+    from kvcli.checkpoint import parse_every
 
     every_tokens, every_seconds = parse_every(checkpoint_every)
     ranks, setup = join_ranks(setup)
@@ -129,8 +130,37 @@ def ppl(
     for path, flag in ((jsonl, "--jsonl"), (rows, "--rows"), (save_logits, "--save-logits")):
         if path is not None:
             check_output(path, flag)
-    if checkpoint is not None:
-        check_output(checkpoint, "--checkpoint", folder=True)
+    with contextlib.ExitStack() as held:
+        if checkpoint is not None:
+            # The folder is this run's from now until it ends, and is checked before the model loads.
+            from kvcli.checkpoint import claim
+            from kvcli.outputs import lock_folder
+
+            held.enter_context(lock_folder(checkpoint, "--checkpoint"))
+            claim(checkpoint, resume, overwrite)
+        _measure(setup, ranks, source, data_dir, method, method_obj, cache, cache_bytes, nbytes, block_size,
+                 max_tokens, stream, context, stride, json_out, jsonl, rows, checkpoint, every_tokens, every_seconds,
+                 resume, overwrite, save_logits, kl_base, logits_top_k)
+
+
+def _measure(setup: Setup, ranks, source: str, data_dir: Path | None, method: str, method_obj, cache: int,
+             cache_bytes: str | None, nbytes: int | None, block_size: int | None, max_tokens: int | None,
+             stream: bool, context: int | None, stride: int | None, json_out: bool, jsonl: Path | None,
+             rows: Path | None, checkpoint: Path | None, every_tokens: int | None, every_seconds: float | None,
+             resume: bool, overwrite: bool, save_logits: Path | None, kl_base: Path | None,
+             logits_top_k: int | None) -> None:
+    """``kvcli ppl`` once its options are checked (and its checkpoint folder held): load, measure, print.
+
+    Side files that fail while the run goes on (a full disk) are collected, not raised: the result is
+    printed first, then one line says which file is incomplete (:class:`kvcli.outputs.SideFailures`).
+    """
+    from kvcli.checkpoint import Checkpointer, identity
+    from kvcli.cli.render import ppl_summary
+    from kvcli.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter, Reference
+    from kvcli.outputs import SideFailures, open_output
+    from kvcli.perplexity import PerplexityRun, evaluate
+    from kvcli.report import StreamProgress, dumps, print_result
+
     reference = Reference(kl_base) if kl_base is not None else None
     if reference is not None:
         if max_tokens is not None and max_tokens > reference.tokens:
@@ -141,19 +171,31 @@ def ppl(
     if nbytes is not None:
         cache = bytes_budget(method_obj, loaded, nbytes, cache_bytes)
     engine = setup.build_engine(loaded, method_obj, cache, block_size)
-    saver = None if checkpoint is None else Checkpointer(checkpoint, identity(loaded, engine, documents),
-                                                         every_tokens, every_seconds)
+    saver = None
+    if checkpoint is not None:
+        saver = Checkpointer(checkpoint, identity(loaded, engine), every_tokens, every_seconds, resume=resume)
+        if overwrite:
+            saver.path.unlink(missing_ok=True)  # started over: a kill before the first save leaves no old state
     vocab = int(loaded.model.config.vocab_size)
     meter = None
     if reference is not None:
         reference.check_model(loaded.name, vocab)
         meter = KLMeter(reference)
+    failures = SideFailures()
     writer = LogitsWriter(save_logits, loaded.name, vocab, logits_top_k or DEFAULT_TOP_K) if save_logits else None
     hooks = [hook.add for hook in (writer, meter) if hook is not None]
 
     def on_logits(logprobs, targets) -> None:
-        for hook in hooks:
-            hook(logprobs, targets)
+        nonlocal writer
+        if writer is not None:
+            try:
+                writer.add(logprobs, targets)
+            except OSError as exc:
+                failures.oserror("--save-logits", save_logits, exc)
+                writer.abort()  # a reference cut short is removed: nobody may compare against it
+                writer = None
+        if meter is not None:
+            meter.add(logprobs, targets)
 
     progress = StreamProgress(max_tokens, loaded.device, enabled=not setup.quiet and ranks.main)
     label: list[str] = []  # the document being scored, shown on the progress line
@@ -164,10 +206,16 @@ def ppl(
     jsonl_file = open_output(jsonl, "--jsonl") if jsonl else None
 
     def on_block(stats, totals) -> None:
+        nonlocal jsonl_file
         if jsonl_file:
-            jsonl_file.write(json.dumps({"position": stats.position, "tokens": stats.tokens, "nll": stats.nll,
-                                         "cache_tokens": stats.cache_tokens,
-                                         "tokens_per_second": stats.tokens_per_second}) + "\n")
+            try:
+                jsonl_file.write(json.dumps({"position": stats.position, "tokens": stats.tokens, "nll": stats.nll,
+                                             "cache_tokens": stats.cache_tokens,
+                                             "tokens_per_second": stats.tokens_per_second}) + "\n")
+            except OSError as exc:
+                failures.oserror("--jsonl", jsonl, exc)
+                _close_quietly(jsonl_file)
+                jsonl_file = None
         progress.update(totals.processed, stats.tokens_per_second, totals.ppl, stats.cache_tokens,
                         label[0] if label else None)
 
@@ -178,17 +226,27 @@ def ppl(
                                                    context=context, stride=stride, on_block=on_block,
                                                    rows_path=rows, resume=resume, ranks=ranks,
                                                    on_document=on_document, checkpoint=saver,
-                                                   on_logits=on_logits if hooks else None)
+                                                   on_logits=on_logits if hooks else None, failures=failures)
         finished = True
     finally:
         if jsonl_file:
-            jsonl_file.close()
+            try:
+                jsonl_file.close()
+            except OSError as exc:
+                failures.oserror("--jsonl", jsonl, exc)
         if writer is not None:
-            writer.close(totals.interrupted) if finished else writer.abort()
+            try:
+                writer.close(totals.interrupted) if finished else writer.abort()
+            except OSError as exc:
+                failures.oserror("--save-logits", save_logits, exc)
+                _close_quietly(writer.file)
+                save_logits.unlink(missing_ok=True)
+                writer = None
         if reference is not None:
             reference.close()
         ranks.close()
     if not ranks.main:  # rank 0 prints the whole job's result
+        failures.check()
         return
     if saver is not None and saver.resumed_from is not None:
         setup.note(f"continued the checkpoint in {checkpoint} from token {saver.resumed_from:,} of the stream")
@@ -200,5 +258,14 @@ def ppl(
     if writer is not None:
         result["saved_logits"] = str(save_logits)
     print_result(dumps(result) if json_out else ppl_summary(result))
+    failures.check()
     if totals.interrupted:
         raise typer.Exit(130)
+
+
+def _close_quietly(handle) -> None:
+    """Close a file whose writes already failed; its own flush failing too says nothing new."""
+    try:
+        handle.close()
+    except OSError:
+        pass
