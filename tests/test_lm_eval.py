@@ -201,3 +201,14 @@ def test_nothing_in_kvcli_but_the_adapter_imports_lm_eval():
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(name.split(".")[0] == "lm_eval" or name.startswith("kvcli.lm_eval") for name in names), path
+
+
+def test_the_lm_eval_entry_point_names_the_registered_class():
+    """lm-eval releases with plugins load ``lm_eval.models`` entry points: kvcli's must be the class the
+    decorator registered, or the two registrations would collide."""
+    from importlib.metadata import entry_points
+
+    from lm_eval.api.registry import get_model
+
+    (point,) = [p for p in entry_points(group="lm_eval.models") if p.name == "kvcli"]
+    assert point.load() is KvcliLM is get_model("kvcli")
