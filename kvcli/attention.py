@@ -206,11 +206,16 @@ def kvcli_attention(
                                         sinks=kwargs.get("s_aux"))
     if probs is not None:
         window = min(window, q_len)
-        if layer.record is None:
-            layer.record = AttentionRecord(probs, window)
-        else:  # a probe forward (query-aware scoring) adds its queries to the block's window
-            probe = probs[..., : layer.record.probs.shape[-1]]
-            layer.record = AttentionRecord(layer.record.probs + probe, layer.record.window + window, probe)
+        question = cache.question_scores
+        if cache.probing:  # a probe's queries see the stored keys and their own, which are not kept
+            probe = probs[..., : layer.get_seq_length()]
+            if layer.record is None:  # the question alone scores (the block recorded nothing)
+                layer.record = AttentionRecord(probe, window, probe, own=0)
+            else:  # the probe's queries join the block's own window
+                layer.record = AttentionRecord(layer.record.probs + probe, layer.record.window + window, probe,
+                                               own=layer.record.own_window)
+        else:
+            layer.record = AttentionRecord(probs, window, probs if question else None)
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -61,14 +61,23 @@ class AttentionRecord:
     """Attention paid by the last ``window`` queries of a forward pass, summed over those queries.
 
     ``probs`` has shape ``[H_kv, group, T]``: per KV head, per query head of its group, per key.
-    ``probe`` is the part of ``probs`` a probe's queries paid (a question streamed alongside the
-    block, see :meth:`kvcli.engine.Engine.forward`), kept apart for methods that treat the question's
-    attention differently from the text's own (TreeKV's guard); None without a probe.
+    ``probe`` is the part of ``probs`` the question's queries paid (a question streamed alongside
+    the block as a probe, or the question ending the block, see :meth:`kvcli.engine.Engine.forward`),
+    kept apart for methods that treat the question's attention differently from the text's own
+    (TreeKV's guard); None when no question scored. ``own`` counts the recorded queries that are the
+    block's own last tokens (they see only the keys before them); the others are a probe's, which
+    see every key. ``None`` means all ``window`` of them.
     """
 
     probs: torch.Tensor
     window: int
     probe: torch.Tensor | None = None
+    own: int | None = None
+
+    @property
+    def own_window(self) -> int:
+        """How many of the recorded queries are the block's own (the rest are a probe's)."""
+        return self.window if self.own is None else self.own
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -231,6 +240,8 @@ class KVCache(Cache):
         self.block_start = 0
         self.stream_start = 0
         self.score_window = 0  # how many of a forward's last queries record their attention
+        #: The recorded queries are the question's (the reader's instruction), not the text's: see Engine.forward.
+        self.question_scores = False
         self.probing = False
         self.keep_positions = False  # True: no re-assignment, a token's position is its index in the stream
         #: In a nested forward (PyramidInfer, see :meth:`kvcli.engine.Engine.forward`), the offsets in the
@@ -288,6 +299,9 @@ class LayerView:
     decoding: bool = False
     seen: int = 0
     mean_budget: int | None = None
+    #: The layer's last ``question`` tokens are the reader's question (and the assistant's start): a
+    #: scored method keeps them, since the answer is written from them.
+    question: int = 0
 
     @property
     def length(self) -> int:

@@ -174,15 +174,21 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,
-                compress: bool = True, decoding: bool = False, last_only: bool = False) -> torch.Tensor:
+                compress: bool = True, decoding: bool = False, last_only: bool = False,
+                question: int = 0) -> torch.Tensor:
         """Run ``ids`` ``[1, n]`` against ``cache``, compress, and return the last hidden states ``[n, d]``.
 
         Hidden states rather than logits: a 49k-token vocabulary makes the logits of a block the
         largest tensor of the pass, so :meth:`token_nll` projects them in small chunks instead.
 
-        ``probe`` holds query tokens (a question) that join the observation window of every
-        compression without entering the cache: query-aware compression. ``decoding`` marks a
-        generated token (see :class:`kvcli.cache.LayerView`).
+        ``probe`` holds query tokens (a question) that score the cache without entering it:
+        query-aware compression. ``question`` says the block's own last ``question`` tokens are the
+        question (the end of a prompt read in one shot, or the last block of a streamed read).
+        Whenever a question is known, its queries alone are the observation window, all of them,
+        whatever the method's own window: the text's last queries do not vote (FINCH's rule for
+        streamed chunks; in a one-shot read SnapKV's window sized to the question). A method that
+        scores nothing (StreamingLLM) runs no probe. ``decoding`` marks a generated token (see
+        :class:`kvcli.cache.LayerView`).
 
         ``last_only`` says the caller needs the hidden state of the block's last token only (a read
         for ``summarize``/``ask``/``needle``, never ``ppl``). A method that nests its selection
@@ -193,20 +199,29 @@ class Engine:
         """
         n = ids.shape[1]
         compressing = compress and bool(self.budgets) and bool(self.architecture.budgeted)
-        cache.score_window = self.method.score_window(n) if compressing else 0
+        compressing = compressing and not (decoding and self.method.keeps_answer)
+        scores = self.method.score_window(n) if compressing else 0
+        question = min(question, n) if scores else 0
+        asks = scores > 0 and (probe is not None or question > 0)
+        cache.question_scores = asks
+        cache.score_window = question if asks else scores
         nested = compressing and last_only and probe is None and not decoding and self.nests_here()
         done: set[int] = set()
-        if nested:
-            hidden = self._run_nested(cache, ids, done)
-        else:
-            hidden = self._run(cache, ids, store=True)
-        cache.stream_start += n  # before the probe, whose queries come after the block
-        if probe is not None and cache.score_window:
-            self._run(cache, probe, store=False)
-        if compressing:
-            self.compress(cache, n, decoding, skip=done)
-        for layer in cache.layers:
-            layer.record = None
+        try:
+            if nested:
+                hidden = self._run_nested(cache, ids, done, question)
+            else:
+                hidden = self._run(cache, ids, store=True)
+            cache.stream_start += n  # before the probe, whose queries come after the block
+            if probe is not None and asks:
+                cache.score_window = probe.shape[1]
+                self._run(cache, probe, store=False)
+            if compressing:
+                self.compress(cache, n, decoding, skip=done, question=question)
+        finally:
+            cache.question_scores = False
+            for layer in cache.layers:
+                layer.record = None
         return hidden[0]
 
     def nests_here(self) -> bool:
@@ -217,7 +232,7 @@ class Engine:
         """
         return self.method.nests() and len(self.architecture.budgeted) == self.num_layers
 
-    def _run_nested(self, cache: KVCache, ids: torch.Tensor, done: set[int]) -> torch.Tensor:
+    def _run_nested(self, cache: KVCache, ids: torch.Tensor, done: set[int], question: int = 0) -> torch.Tensor:
         """One forward in which layer ``l + 1`` processes only the tokens layer ``l`` passes on (Algorithm 1
         of PyramidInfer: ``KV <- PvC``; the authors' code gathers the kept tokens' hidden states).
 
@@ -236,7 +251,7 @@ class Engine:
                 layer = cache.layers[below]
                 tokens = layer.token_idx  # [H, T], before the layer stores its choice
                 view = LayerView(below, self.num_layers, layer, n, layer.record, seen=cache.stream_start + n,
-                                 mean_budget=self.budget)
+                                 mean_budget=self.budget, question=question)
                 keep, passed = self.method.compress_nested(view, self.budgets[below])
                 if keep is not None:
                     layer.keep(keep)
@@ -315,11 +330,13 @@ class Engine:
                 on_logits(logits - total[:, None], targets[i:i + chunk])
         return out
 
-    def compress(self, cache: KVCache, num_new: int, decoding: bool = False, skip: set[int] = frozenset()) -> None:
+    def compress(self, cache: KVCache, num_new: int, decoding: bool = False, skip: set[int] = frozenset(),
+                 question: int = 0) -> None:
         """Let the method shrink every layer the budget governs; a window layer already keeps only its window.
 
         The method sees the budgeted layers numbered among themselves, as it allotted their budgets.
-        ``skip`` holds layers a nested forward compressed already.
+        ``skip`` holds layers a nested forward compressed already; ``question`` is how many of the
+        last tokens are the question (:attr:`LayerView.question`).
         """
         budgeted = self.architecture.budgeted
         for depth, idx in enumerate(budgeted):
@@ -327,7 +344,7 @@ class Engine:
                 continue
             layer = cache.layers[idx]
             view = LayerView(depth, len(budgeted), layer, num_new, layer.record, decoding, seen=cache.stream_start,
-                             mean_budget=self.budget)
+                             mean_budget=self.budget, question=question)
             keep = self.method.compress(view, self.budgets[idx])
             if keep is not None:
                 layer.keep(keep)

@@ -333,7 +333,7 @@ class Reader:
             ids = buffered + suffix
             result.prompt_tokens = len(ids)
             result.document_tokens = len(ids) - len(parts.prefix) - len(suffix)
-            hidden = self._forward(cache, ids, None, result, last_only=True)
+            hidden = self._forward(cache, ids, None, result, last_only=True, question=len(suffix))
             self._progress(result.prompt_tokens, cache, started)
         else:
             hidden = self._stream(cache, parts, buffered, chunks, result, probe, started)
@@ -359,21 +359,22 @@ class Reader:
         total = read + len(pending) + len(suffix)
         result.prompt_tokens = total
         result.document_tokens = total - len(parts.prefix) - len(suffix)
-        # The question ends this block, yet it goes as a probe too: every compression of a streamed read,
-        # this last one included, is then scored by the question's own queries in the same way (TreeKV's
-        # guard needs them apart from the text's: without them its last sweep splits the digits of a key).
-        hidden = self._forward(cache, pending + suffix, probe_ids, result, last_only=True)
+        # The question ends this block: its own queries score the last compression, as the probe scored
+        # every compression before it (with --no-probe the block's own window decides, as before).
+        hidden = self._forward(cache, pending + suffix, None, result, last_only=True,
+                               question=len(suffix) if probe_ids is not None else 0)
         self._progress(total, cache, started)
         return hidden
 
     def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,
-                 decoding: bool = False, last_only: bool = False) -> torch.Tensor:
+                 decoding: bool = False, last_only: bool = False, question: int = 0) -> torch.Tensor:
         """One engine forward; ``last_only``: only the last token's hidden state is used (a read), so a
-        nesting method (PyramidInfer) may skip the hidden states of the tokens a layer drops."""
+        nesting method (PyramidInfer) may skip the hidden states of the tokens a layer drops; ``question``:
+        the last tokens of ``ids`` that are the question (:meth:`Engine.forward`)."""
         if not ids:
             raise KvcliError("the prompt is empty")
         hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe, decoding=decoding,
-                                     last_only=last_only)
+                                     last_only=last_only, question=question)
         result.max_cache_tokens = max(result.max_cache_tokens, cache.max_tokens())
         return hidden
 

@@ -34,10 +34,11 @@ def append_tokens(cache: KVCache, count: int) -> None:
 
 
 def compress_step(cache: KVCache, method, budget: int, num_new: int, probs: list[torch.Tensor] | None,
-                  window: int) -> None:
-    """Show ``method`` each layer with attention ``probs[layer]`` ``[H_kv, group, T]`` and apply its choice."""
+                  window: int, own: int | None = None) -> None:
+    """Show ``method`` each layer with attention ``probs[layer]`` ``[H_kv, group, T]`` and apply its choice
+    (``own``: how many of the ``window`` recorded queries are the block's own; None: all of them)."""
     for idx, layer in enumerate(cache.layers):
-        layer.record = AttentionRecord(probs[idx], window) if probs is not None else None
+        layer.record = AttentionRecord(probs[idx], window, own=own) if probs is not None else None
         view = LayerView(idx, len(cache.layers), layer, num_new, layer.record, seen=cache.stream_start)
         keep = method.compress(view, budget)
         if keep is not None:

@@ -48,10 +48,12 @@ def spy_forward(engine: Engine) -> list[dict]:
     calls: list[dict] = []
     original = engine.forward
 
-    def forward(cache, ids, probe=None, compress=True, decoding=False, last_only=False):
-        hidden = original(cache, ids, probe=probe, compress=compress, decoding=decoding, last_only=last_only)
+    def forward(cache, ids, probe=None, compress=True, decoding=False, last_only=False, question=0):
+        hidden = original(cache, ids, probe=probe, compress=compress, decoding=decoding, last_only=last_only,
+                          question=question)
         calls.append({"ids": ids[0].tolist(), "probe": None if probe is None else probe[0].tolist(),
-                      "lengths": cache.lengths(), "decoding": decoding, "last_only": last_only})
+                      "lengths": cache.lengths(), "decoding": decoding, "last_only": last_only,
+                      "question": question})
         return hidden
 
     engine.forward = forward
@@ -156,10 +158,19 @@ def test_cache_never_exceeds_the_budget_while_reading_and_writing(model, name, o
     assert gen.generated_tokens == 30 and gen.finish_reason == "length"
     decode_calls = [c for c in calls if len(c["ids"]) == 1]
     assert len(decode_calls) == 29  # the last token needs no forward
-    for call in calls:
+    read_calls = calls[: len(calls) - 29]
+    for call in read_calls:
         assert all(length <= budget for length, budget in zip(call["lengths"], engine.budgets, strict=True))
-    assert gen.max_cache_tokens == max(max(c["lengths"]) for c in calls) <= max(engine.budgets)
-    assert max(decode_calls[-1]["lengths"]) == max(engine.budgets)  # decoding evicted to stay in budget
+    # A method that keeps its answer (SnapKV, PyramidKV) grows by the generated tokens, one per step, and
+    # by nothing else; the others evict to stay within the budget at every step.
+    allowance = 29 if method.keeps_answer else 0
+    for call in decode_calls:
+        assert all(length <= budget + allowance for length, budget in zip(call["lengths"], engine.budgets,
+                                                                          strict=True))
+    assert gen.max_cache_tokens == max(max(c["lengths"]) for c in calls) <= max(engine.budgets) + allowance
+    read_end = read_calls[-1]["lengths"]
+    expected = [length + 29 for length in read_end] if method.keeps_answer else engine.budgets
+    assert decode_calls[-1]["lengths"] == expected
 
 
 def test_streamed_reading_probes_every_block_with_the_suffix(model):
@@ -170,8 +181,9 @@ def test_streamed_reading_probes_every_block_with_the_suffix(model):
                                               one_shot=False)
     reads = calls[: len(calls)]
     assert [len(c["ids"]) for c in reads] == [16, 16, 16, 16, 9 + 6]
-    assert all(c["probe"] == suffix for c in reads)  # the last block's compression is scored by the question too
-    assert reads[-1]["ids"][-6:] == suffix  # the question ends the last block
+    assert all(c["probe"] == suffix and c["question"] == 0 for c in reads[:-1])
+    # The question ends the last block, and its own queries score that compression: no probe twice.
+    assert reads[-1]["ids"][-6:] == suffix and reads[-1]["probe"] is None and reads[-1]["question"] == 6
     assert sum(len(c["ids"]) for c in reads) == gen.prompt_tokens == 79 and gen.document_tokens == 70
     assert not gen.one_shot
 
@@ -186,6 +198,7 @@ def test_one_shot_is_chosen_when_the_prompt_fits(model):
         assert gen.one_shot is expect_one_shot
         if expect_one_shot:
             assert len(calls) == 1 and calls[0]["ids"] == prefix + doc + suffix and calls[0]["probe"] is None
+            assert calls[0]["question"] == len(suffix)  # the question is the observation window
             assert gen.max_cache_tokens == 32
 
 
@@ -290,7 +303,8 @@ def test_pass_key_from_a_real_book_excerpt(smollm, books, one_thread):
     engine = Engine(smollm.model, make_method(method), None if method == "full" else 512)
     gen = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, smollm.model)).run(parts, [doc], 8)
     assert gen.one_shot and gen.prompt_tokens > 1500
-    assert gen.max_cache_tokens <= (512 if method != "full" else gen.prompt_tokens + 8)
+    # SnapKV keeps its answer: the cache grows by the generated tokens that went through a forward (7 of 8).
+    assert gen.max_cache_tokens <= (512 + 7 if method != "full" else gen.prompt_tokens + 8)
     assert "73691" in gen.text, gen.text
 
 

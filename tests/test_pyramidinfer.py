@@ -181,7 +181,8 @@ def test_per_kv_head_selection_nests_by_the_union_of_the_heads(tiny):
 @pytest.mark.parametrize("probe", [False, True])
 def test_a_streamed_read_nests_its_blocks_unless_a_probe_scores_them(tiny, probe, monkeypatch):
     """A streamed read nests every block when no question is probed (only the last position is used);
-    with a probe every block, the last included, is compressed after the probe has run, un-nested."""
+    with a probe every block but the last is compressed after the probe has run, un-nested. The last
+    block ends with the question, whose own queries score it, so it nests."""
     calls = []
     original = Engine._run_nested
     monkeypatch.setattr(Engine, "_run_nested", lambda self, *a: calls.append(1) or original(self, *a))
@@ -195,7 +196,7 @@ def test_a_streamed_read_nests_its_blocks_unless_a_probe_scores_them(tiny, probe
     hidden = reader.read(cache, PromptParts([1], [2, 3, 4], chat=False), doc, result, one_shot=False, probe=probe)
     assert hidden.shape[0] == 1 and not result.one_shot
     blocks = math.ceil((1 + 150 + 3) / 32)
-    assert len(calls) == (0 if probe else blocks)  # the question probes every block, the last one too
+    assert len(calls) == (1 if probe else blocks)  # the question probes every block before the last
     assert all(length <= budget for length, budget in zip(cache.lengths(), engine.budgets, strict=True))
     last = cache.stream_start - 1
     assert all(last in layer.token_idx[0].tolist() for layer in cache.layers)

@@ -50,7 +50,7 @@ def test_statistics_go_to_stderr(invoke, tiny_model_dir, book):
     assert "prompt tokens" in result.stderr and "max cache" in result.stderr and "prompt" not in result.stdout
 
 
-@pytest.mark.parametrize("method", ["streamingllm", "snapkv", "treekv"])
+@pytest.mark.parametrize("method", ["streamingllm", "treekv"])
 def test_decoding_evicts_to_stay_within_the_cache(invoke, tiny_model_dir, tmp_path, method):
     from kvcli.methods import METHODS
 
@@ -63,6 +63,17 @@ def test_decoding_evicts_to_stay_within_the_cache(invoke, tiny_model_dir, tmp_pa
     assert data["one_shot"] and data["prompt_tokens"] < 56
     assert data["prompt_tokens"] + data["generated_tokens"] > 56  # only eviction while decoding keeps it at 56
     assert data["max_cache_tokens"] == 56
+
+
+def test_snapkv_keeps_its_answer_as_its_paper_does(invoke, tiny_model_dir, tmp_path):
+    """SnapKV compresses the prompt only: the cache grows by the generated tokens while writing, and by nothing
+    else (the last token needs no forward)."""
+    short = tmp_path / "short.txt"
+    short.write_text("A very short note.")
+    data = json.loads(invoke("summarize", str(short), *tiny(tiny_model_dir), "--method", "snapkv", "--cache", "56",
+                             "--max-new-tokens", "40", "--json").stdout)
+    assert data["one_shot"] and data["prompt_tokens"] < 56 and data["finish_reason"] == "length"
+    assert data["max_cache_tokens"] == data["prompt_tokens"] + data["generated_tokens"] - 1
 
 
 def test_ask_reads_stdin_and_answers_in_json(invoke, tiny_model_dir):

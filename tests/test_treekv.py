@@ -151,7 +151,7 @@ def run_method(T: int, budget: int, seed: int, block: int = 1, window: int = 1, 
                 probs[h, :, : len(visible)] += torch.tensor(group_weights(raw, q, h, visible))
             for q in range(start + n - probe, start + n):
                 probs[h] += torch.tensor(group_weights(raw_probe, q, h, token_idx[h]))
-        compress_step(cache, method, budget, n, [probs], window=w + probe)
+        compress_step(cache, method, budget, n, [probs], window=w + probe, own=w)
         assert cache.layers[0].token_idx.shape[1] == min(budget, start + n)
         history.append(kept_positions(cache))
     return history

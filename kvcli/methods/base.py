@@ -36,6 +36,9 @@ class Method:
     keeps_positions: ClassVar[bool] = False
     #: The method never evicts, so it takes no budget and its cache grows with the stream (``full``).
     unbounded: ClassVar[bool] = False
+    #: The method compresses what is read, not what is written: every generated token is kept, so the
+    #: cache grows by at most ``--max-new-tokens`` while answering (SnapKV, PyramidKV: their papers).
+    keeps_answer: ClassVar[bool] = False
 
     def new_cache(self, model: torch.nn.Module) -> KVCache:
         """The cache this method streams into: kvcli's ordinary one unless the method stores keys its own way."""
@@ -139,8 +142,18 @@ class ScoredMethod(Method):
         if length <= count:
             return None
         scores = self.score(view)
-        protected = recent_and_sinks(length, self.sinks, self.kept_recent(view, budget), scores.device)
-        return select_top(scores, protected, count).expand(view.num_heads, count)
+        return select_top(scores, self.protected(view, budget, count), count).expand(view.num_heads, count)
+
+    def protected(self, view: LayerView, budget: int, count: int) -> torch.Tensor:
+        """Boolean ``[T]``: the sinks, the recent window and the reader's question, kept whatever they score.
+
+        The question (:attr:`LayerView.question`) is what the answer is written from, so it stays even
+        where the method's window is shorter (PyramidKV's 8); it never takes more than ``count`` leaves
+        beside the sinks.
+        """
+        question = min(view.question, max(count - self.sinks, 0))
+        recent = max(self.kept_recent(view, budget), question)
+        return recent_and_sinks(view.length, self.sinks, recent, view.layer.device)
 
 
 def _type_name(annotation) -> str:

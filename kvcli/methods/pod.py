@@ -81,8 +81,10 @@ class PoD(Method):
             if METHODS[self.select].has_param("recent"):
                 options["recent"] = self.recent - 1  # the proximal keys the next query needs stay in every layer
             self.inner = make_method(self.select, options)
-        # Without a selection PoD keeps every token and takes no budget (like full).
+        # Without a selection PoD keeps every token and takes no budget (like full); with one it writes as
+        # the selection does (SnapKV keeps its answer).
         self.unbounded = self.inner is None
+        self.keeps_answer = self.inner is not None and self.inner.keeps_answer
 
     def validate(self, budget: int) -> None:
         if self.inner is not None:

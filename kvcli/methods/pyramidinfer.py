@@ -80,7 +80,6 @@ from kvcli.methods.base import (
     group_mean,
     param,
     pool_scores,
-    recent_and_sinks,
     select_top,
 )
 from kvcli.methods.pyramidkv import apportion
@@ -218,7 +217,7 @@ class PyramidInfer(ScoredMethod):
         if length <= stored:
             return None, None
         scores = self.score(view)
-        protected = recent_and_sinks(length, self.sinks, self.kept_recent(view, budget), scores.device)
+        protected = self.protected(view, budget, stored)
         keep = select_top(scores, protected, stored).expand(view.num_heads, stored)
         return keep, (None if passed >= length else select_top(scores, protected, passed))
 

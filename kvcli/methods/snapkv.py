@@ -29,25 +29,15 @@ def check_pooling(window: int, kernel: int, pooling: str) -> None:
         raise UsageError(f"pooling must be 'max' or 'avg' (got {pooling!r})")
 
 
-def slide_window(view: LayerView, sinks: int, recent: int) -> torch.Tensor:
-    """Decoding: the prompt's selection stays and only the recent window slides.
-
-    SnapKV and PyramidKV compress the prompt once and let the cache grow while writing; under a
-    fixed budget the closest rule evicts the one token that has just left the window. Re-selecting
-    with one query at every step instead drops tokens the next steps need (the later digits of a
-    number being copied out): see docs/methods.md.
-    """
-    length, heads = view.length, view.num_heads
-    leaving = max(length - recent - 1, min(sinks, length - 1))
-    kept = torch.arange(length - 1, device=view.layer.device)
-    return (kept + (kept >= leaving).long()).expand(heads, length - 1)
-
-
 @register
 @dataclass
 class SnapKV(ScoredMethod):
     name = "snapkv"
     keeps_positions = True
+    # The papers (and their code) compress the prompt once and let the cache grow while writing. Any
+    # eviction while writing takes the question or what is being copied out: the recent window's oldest
+    # (the question first) or a re-selection by one query (the later digits of a number).
+    keeps_answer = True
     description = ("Keep the tokens the last `window` queries attend to most (pooled over `kernel` "
                    "neighbours, per KV head) plus the window itself.")
     window: int = param(32, "observation window: how many of a block's last queries score the cache")
@@ -69,16 +59,11 @@ class SnapKV(ScoredMethod):
         check_pooling(self.window, self.kernel, self.pooling)
         check_split(budget, self.sinks, self.recent_tokens())
 
-    def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
-        recent = self.recent_tokens()
-        if view.decoding and recent > 0 and view.length - budget == 1:
-            return slide_window(view, self.sinks, recent)
-        return super().compress(view, budget)
-
     def score(self, view: LayerView) -> torch.Tensor:
         """The window's attention, pooled over every key the whole window saw.
 
-        The window keys (the last ``min(window, num_new)`` tokens, which only part of the window saw)
+        The window keys (the block's last tokens as many as its own recorded queries, which only part
+        of the window saw; a probe's queries see every key)
         are left out of the pooling, as in SnapKV, and compete with their raw score if ``recent`` does
         not cover them.
         """
@@ -86,5 +71,5 @@ class SnapKV(ScoredMethod):
             raise RuntimeError("snapkv-style selection needs the attention of the observation window")
         length = view.length
         scores = group_mean(view.record.probs)[:, :length]
-        prefix = length - min(self.window, view.num_new, length)
+        prefix = length - min(view.record.own_window, view.num_new, length)
         return torch.cat((pool_scores(scores[:, :prefix], self.kernel, self.pooling), scores[:, prefix:]), dim=1)

@@ -194,7 +194,7 @@ class TreeKV(Method):
             return scores, counts
         scores = scores + group_mean(record.probs)[:, : view.length]
         # The block's own window sees new token j only from block index j on; extra probe queries see all.
-        own = min(self.score_window(new), record.window) if new > 0 else 0
+        own = min(record.own_window, new)
         counts = counts + float(record.window)
         if own > 1:  # new token j missed the first max(0, own - (new - j)) of the block's window queries
             missed = (own - torch.arange(new, 0, -1, device=counts.device)).clamp(min=0).float()
