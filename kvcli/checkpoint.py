@@ -288,18 +288,29 @@ class Checkpointer:
         cache.stream_start = int(saved_cache["stream_start"])
         cache.keep_positions = bool(saved_cache["keep_positions"])
         for layer, attributes in zip(cache.layers, saved_cache["layers"], strict=True):
-            # Only the data attributes a layer has (or gets on its first block) are restored: never a method.
-            allowed = (set(vars(layer)) | {"dtype", "device"}) - set(_SKIP)
+            # Exactly the data attributes a layer has (and gets on its first block) are restored: every one of
+            # them, and never a name that is not one (a method).
+            required = set(vars(layer)) - set(_SKIP)
+            missing = required - set(attributes)
+            if missing:
+                raise KeyError("layer." + ",".join(sorted(missing)))
             for key, value in attributes.items():
-                if key not in allowed:
+                if key not in required | {"dtype", "device"}:
                     raise ValueError(key)
                 setattr(layer, key, _to(value, device))
             layer.device = device
             _check_layer(layer)
         totals_dict = dict(payload["totals"])
+        if set(totals_dict) != {field.name for field in dataclasses.fields(StreamTotals)}:
+            raise KeyError("totals." + ",".join(sorted({f.name for f in dataclasses.fields(StreamTotals)}
+                                                       ^ set(totals_dict))))
         blocks = [BlockStats(**block) for block in totals_dict.pop("blocks")]
         totals = StreamTotals(**totals_dict, blocks=blocks)
-        if not isinstance(totals.tokens, int) or not 0 <= totals.tokens < position or totals.processed != position:
+        # A stream scores every token but its first exactly once, block by block: totals that say otherwise
+        # were not written by this module.
+        if (totals.tokens != position - 1 or totals.processed != position
+                or sum(block.tokens for block in blocks) != totals.tokens
+                or not all(isinstance(getattr(totals, name), int | float) for name in totals_dict)):
             raise ValueError("totals")
         previous = payload["previous"]
         if not isinstance(previous, torch.Tensor) or previous.dim() != 2:

@@ -5,8 +5,10 @@ decides which documents this process reads, where finished rows go, and what the
 
 * **Resume.** A row is appended to its rows file (a whole line per write, see
   :class:`kvcli.outputs.RowLog`) as soon as its document is done; with ``resume`` the documents
-  whose rows are already there are skipped. A document cut short by Ctrl-C is reported but never
-  written, so it is read again on resume.
+  whose rows are already there are skipped. A document is known by its real path (any spelling of
+  it), and a row that recorded its content (:func:`content_of`) is reused only while the document's
+  bytes still hash the same: an edited file is refused with one line, never mixed in. A document
+  cut short by Ctrl-C is reported but never written, so it is read again on resume.
 * **Ranks.** Under ``torchrun``/``accelerate launch`` the documents still to do are dealt to the
   ranks longest first, each to the rank with the fewest bytes so far (:func:`shard`). Every rank
   appends to its own part file beside the rows file (``rows.jsonl.rank1``) and sends its rows to
@@ -59,6 +61,34 @@ class CorpusResult:
         return sum(1 for fresh in self.new if not fresh)
 
 
+def row_key(name: str) -> str:
+    """What identifies a row's document: an existing file by its real path (``books/a.txt`` and
+    ``/data/books/a.txt`` are one document), anything else (``<stdin>``, ``pg19[3]``) by its name."""
+    path = Path(name)
+    return str(path.resolve()) if path.is_file() else name
+
+
+#: Keys a ``ppl`` row records its document's content under: the raw bytes it read, counted and hashed.
+CONTENT_KEYS = ("content_bytes", "content_sha256")
+
+
+def content_of(doc: Document) -> dict:
+    """A row's record of what it read (nothing for a document without bytes of its own)."""
+    if doc.read is None or doc.open_bytes is None:
+        return {}
+    return {"content_bytes": doc.read.count, "content_sha256": doc.read.sha256}
+
+
+def _check_content(doc: Document, row: dict, path: Path, flag: str) -> None:
+    """Refuse to reuse a row made from other content than the document holds now (a file edited since)."""
+    if not all(key in row for key in CONTENT_KEYS):
+        return  # a row of an older kvcli, or of a command that records no content
+    if not doc.content_matches(int(row["content_bytes"]), str(row["content_sha256"])):
+        raise KvcliError(f"{flag} {path}: the row of {doc.name} was made from other content (its first "
+                         f"{int(row['content_bytes']):,} bytes differ now): remove that line to read it again, or "
+                         "run without --resume to start over")
+
+
 def part_path(path: Path, rank: int) -> Path:
     """The rows file rank ``rank`` appends to while several ranks run."""
     return path.with_name(f"{path.name}.rank{rank}")
@@ -93,13 +123,16 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
         if resume:
             for source in (rows_path, *_parts(rows_path)):
                 for row in read_rows(source):
-                    done.setdefault(row["document"], row)
+                    done.setdefault(row_key(row["document"]), row)
+            for doc in documents:
+                if row_key(doc.name) in done:
+                    _check_content(doc, done[row_key(doc.name)], rows_path, flag)
         ranks.barrier()  # every rank has read the same rows before any rank writes
         log = RowLog(part_path(rows_path, ranks.rank), flag) if ranks.distributed else main_log
         if ranks.distributed:
             log.start(False)
 
-    todo = [i for i, doc in enumerate(documents) if doc.name not in done]
+    todo = [i for i, doc in enumerate(documents) if row_key(doc.name) not in done]
     share = shard([documents[i].size or 0 for i in todo], ranks.world_size)[ranks.rank]
     mine: list[tuple[int, dict]] = []
     cut: int | None = None  # the document Ctrl-C cut short: reported, never written
@@ -141,12 +174,12 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
             new.append(True)
             if index not in cuts:
                 written.append(fresh[index])
-        elif doc.name in done:
-            rows.append(done[doc.name])
+        elif row_key(doc.name) in done:
+            rows.append(done[row_key(doc.name)])
             new.append(False)
-            written.append(done[doc.name])
+            written.append(done[row_key(doc.name)])
     if rows_path is not None and (ranks.distributed or _parts(rows_path)):
-        names = {doc.name for doc in documents}
+        names = {row_key(doc.name) for doc in documents}
         others = [row for name, row in done.items() if name not in names]  # rows of other documents stay
         try:
             RowLog(rows_path, flag).rewrite(written + others)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvcli.errors import KvcliError, UsageError
+from kvcli.outputs import remove_partial
 
 MAGIC = b"KVCLIKL1"
 END = b"KVCLIEND"
@@ -89,9 +90,13 @@ class LogitsWriter:
         self.tokens += targets.shape[0]
 
     def abort(self) -> None:
-        """Remove a file whose run failed, rather than leave a reference nobody can trust."""
-        self.file.close()
-        self.path.unlink(missing_ok=True)
+        """Remove a file whose run failed, rather than leave a reference nobody can trust (a regular file only:
+        ``--save-logits /dev/full`` must never delete the device)."""
+        try:
+            self.file.close()
+        except OSError:
+            pass  # its writes failed already; the file goes
+        remove_partial(self.path)
 
     def close(self, interrupted: bool = False) -> None:
         footer = json.dumps({"tokens": self.tokens, "sha256": self.digest.hexdigest(),

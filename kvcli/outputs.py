@@ -146,9 +146,21 @@ def open_output(path: Path, flag: str, mode: str = "w"):
         raise KvcliError(f"{flag} {path}: {exc.strerror or exc}") from None
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` all at once: write a temporary file beside it, then rename."""
+def remove_partial(path: Path) -> None:
+    """Delete a file a failed run left half-written, if it is a regular file (never a device such as /dev/full)."""
     path = Path(path)
+    if path.is_file():
+        path.unlink(missing_ok=True)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` all at once: write a temporary file beside it, then rename.
+
+    Only a regular file (or a new one) is replaced so: renaming over a device or a pipe would remove it.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise KvcliError(f"cannot write {path}: not a regular file (it is replaced whole, never written into)")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as stream:

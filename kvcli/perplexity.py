@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvcli.checkpoint import Checkpointer
-from kvcli.corpus import run_corpus
+from kvcli.corpus import content_of, run_corpus
 from kvcli.distributed import Ranks
 from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals, kv_bytes_per_token
 from kvcli.errors import UsageError
@@ -138,7 +138,7 @@ def evaluate(
             on_document(index, doc)
         totals = run(iter_tokens(doc, tokenizer), None if remaining is None else remaining + 1)
         scored += totals.tokens
-        return document_row(totals), not totals.interrupted
+        return {**document_row(totals), **content_of(doc)}, not totals.interrupted
 
     job = run_corpus(documents, process, rows_path=rows_path, resume=resume, ranks=ranks, failures=failures)
     peaks = ranks.gather(peak_memory_bytes(loaded.device))

@@ -55,7 +55,7 @@ def load_state(path: Path, what: str, advice: str) -> dict:
         raise KvcliError(f"{path} is a {what} of another format ({fields[1].decode(errors='replace')}): {advice}")
     body = data[newline + 1:]
     if hashlib.sha256(body).hexdigest().encode() != fields[2]:
-        raise KvcliError(f"{path} is damaged (its checksum does not match: cut short or altered): {advice}")
+        raise KvcliError(f"{path} is a damaged {what} (its checksum does not match: cut short or altered): {advice}")
     try:
         payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever the unpickler refuses is the same one-line answer

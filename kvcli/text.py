@@ -18,6 +18,7 @@ Text is decoded from bytes by this module rather than by ``open(..., "r")``:
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -67,6 +68,46 @@ class Document:
     size: int | None = None
     """Bytes of the file behind it (None for standard input and data set rows): what a corpus job
     balances ranks by."""
+    open_bytes: Callable[[], BinaryIO] | None = None
+    """The raw bytes behind the text (a file opened again, stdin), for :meth:`content_matches`; None for
+    data set rows, which have no bytes of their own."""
+    read: ContentHash | None = None
+    """What the last :attr:`read_chunks` consumed: the count and SHA-256 of the raw bytes, growing as it reads."""
+
+    def content_matches(self, count: int, sha256: str) -> bool:
+        """Whether the document's first ``count`` raw bytes still hash to ``sha256`` (a row written earlier is
+        of this content); True when there are no bytes to compare. Standard input is consumed doing so."""
+        if self.open_bytes is None:
+            return True
+        digest = hashlib.sha256()
+        left = count
+        try:
+            stream = self.open_bytes()
+            while left > 0:
+                data = stream.read(min(left, 1 << 20))
+                if not data:
+                    return False
+                digest.update(data)
+                left -= len(data)
+        except OSError as error:
+            raise KvcliError(f"cannot read {self.name}: {error.strerror or error}") from error
+        return digest.hexdigest() == sha256
+
+
+class ContentHash:
+    """Bytes consumed from a source, counted and hashed as they are read."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+        self.count = 0
+
+    def update(self, data: bytes) -> None:
+        self.hash.update(data)
+        self.count += len(data)
+
+    @property
+    def sha256(self) -> str:
+        return self.hash.hexdigest()
 
 
 @dataclass
@@ -147,13 +188,15 @@ def _file_document(
         raise KvcliError(f"cannot read {name}: permission denied")
 
     def read_chunks() -> Iterator[str]:
+        document.read = ContentHash()
         try:
             with open(path, "rb") as stream:
-                yield from _decode(stream, name, encoding, chunk_chars, warn)
+                yield from _decode(stream, name, encoding, chunk_chars, warn, document.read)
         except OSError as error:
             raise KvcliError(f"cannot read {name}: {error.strerror or error}") from error
 
-    return Document(name, read_chunks, path.stat().st_size)
+    document = Document(name, read_chunks, path.stat().st_size, open_bytes=lambda: open(path, "rb"))
+    return document
 
 
 def _stream_document(
@@ -165,7 +208,12 @@ def _stream_document(
 ) -> Document:
     # The stream is looked up only when reading starts, so that a test (or a caller) may
     # replace sys.stdin between open_source and reading.
-    return Document(name, lambda: _decode(get_stream(), name, encoding, chunk_chars, warn))
+    def read_chunks() -> Iterator[str]:
+        document.read = ContentHash()
+        return _decode(get_stream(), name, encoding, chunk_chars, warn, document.read)
+
+    document = Document(name, read_chunks, open_bytes=get_stream)
+    return document
 
 
 def _directory_documents(
@@ -178,18 +226,22 @@ def _directory_documents(
 
 
 def _decode(
-    stream: BinaryIO, name: str, encoding: str | None, chunk_chars: int, warn: Callable[[str], None]
+    stream: BinaryIO, name: str, encoding: str | None, chunk_chars: int, warn: Callable[[str], None],
+    tally: ContentHash | None = None,
 ) -> Iterator[str]:
     """Decode incrementally, so that a character split between two reads still decodes.
 
     Decoding starts strict and switches to replacement at the first bad byte: that is how
-    the one warning is produced without scanning the input twice.
+    the one warning is produced without scanning the input twice. ``tally`` counts and hashes
+    the raw bytes as they are read (what a row or checkpoint was made from).
     """
     make_decoder = codecs.getincrementaldecoder(encoding or "utf-8-sig")
     decoder = make_decoder("strict")
     strict = True
     while True:
         data = stream.read(chunk_chars)
+        if tally is not None:
+            tally.update(data)
         final = not data
         if strict:
             state = decoder.getstate()

@@ -239,8 +239,7 @@ def _measure(setup: Setup, ranks, source: str, data_dir: Path | None, method: st
                 writer.close(totals.interrupted) if finished else writer.abort()
             except OSError as exc:
                 failures.oserror("--save-logits", save_logits, exc)
-                _close_quietly(writer.file)
-                save_logits.unlink(missing_ok=True)
+                writer.abort()
                 writer = None
         if reference is not None:
             reference.close()
