@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import io
 import os
+import pickle
 import struct
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,6 +26,11 @@ from kvcli.errors import KvcliError, UsageError
 from kvcli.modelcache import CacheUnwritable, cache_root
 
 DEFAULT_MODEL = "smollm2-135m"
+
+#: Passed to every ``from_pretrained``: a model folder or Hub repository never runs code of its own. Saying
+#: False explicitly matters: left unset, transformers asks on the terminal whether to run a folder's custom
+#: code, and a ``y`` on stdin (``yes |``, a text piped to ``kvcli ppl -``) would answer it.
+SAFE_LOADING = {"trust_remote_code": False}
 
 #: Built-in models that need no download: name -> (PyPI package holding the file, GGUF file name).
 EMBEDDED_GGUF = {
@@ -206,7 +212,8 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
     torch_dtype = resolve_dtype(dtype, torch_device)
     if device_map is not None and torch_device.type != "cuda":
         raise KvcliError("--device-map needs CUDA GPUs (accelerate places layers across them)")
-    kwargs: dict = {"dtype": torch_dtype, **_quantization_kwargs(load_in_4bit, load_in_8bit, torch_device)}
+    kwargs: dict = {"dtype": torch_dtype, **SAFE_LOADING,
+                    **_quantization_kwargs(load_in_4bit, load_in_8bit, torch_device)}
     if device_map is not None:
         kwargs["device_map"] = device_map
 
@@ -226,7 +233,7 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
             tokenizer, model = _load_gguf(path, {k: v for k, v in kwargs.items() if k != "quantization_config"}, warn)
         elif path.is_dir():
             with _quiet():
-                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **SAFE_LOADING)
                 model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
         elif path.exists():
             raise KvcliError(f"--model {spec}: expected a folder, a .gguf file or a preset name")
@@ -234,10 +241,15 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
             raise KvcliError(f"--model {spec}: no such file or folder (and not a Hugging Face id)")
         else:
             with _quiet():
-                tokenizer = AutoTokenizer.from_pretrained(spec)
+                tokenizer = AutoTokenizer.from_pretrained(spec, **SAFE_LOADING)
                 model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
     except KvcliError:
         raise
+    except pickle.UnpicklingError:
+        # transformers reads .bin weights with torch's weights_only unpickler; a file that asks for anything but
+        # tensors (a crafted pickle) is refused there, and no code of it has run.
+        raise KvcliError(f"--model {spec}: its weights are not plain tensors (a pickle that asks to run code was "
+                         "refused): use safetensors weights") from None
     except (struct.error, EOFError, IndexError, KeyError, UnicodeDecodeError):
         if path.suffix != ".gguf":
             raise
@@ -306,7 +318,7 @@ def _read_gguf(path: Path, kwargs: dict) -> tuple[object, torch.nn.Module]:
 
     gguf = {"gguf_file": path.name}
     with _quiet(), _gguf_parsed_once():
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, **gguf)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **gguf, **SAFE_LOADING)
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, **gguf, quantization_config=GgufConfig(gguf_file=path.name, dequantize=True), **kwargs)
     return tokenizer, model
@@ -318,7 +330,7 @@ def _read_entry(folder: Path, path: Path, kwargs: dict) -> tuple[object, torch.n
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _quiet():
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **SAFE_LOADING)
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kwargs)
     model.config.name_or_path = str(path.parent)
     tokenizer.name_or_path = str(path.parent)

@@ -601,3 +601,55 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_totals(inv
         resumed = invoke(*args, "--resume")
         assert resumed.exit_code == 0, resumed.stderr
         assert numbers(resumed.stdout) == expected, run
+
+
+# --------------------------------------------------------------------------- model folders run no code
+
+def _folder_with_code(tiny_model_dir, tmp_path, model_type: str | None):
+    """A copy of the tiny model whose config points at custom code that leaves a marker when it is imported."""
+    import json
+    import shutil
+
+    folder = tmp_path / f"code-{model_type or 'llama'}"
+    shutil.copytree(tiny_model_dir, folder)
+    marker = tmp_path / "pwned"
+    (folder / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                    "from transformers import LlamaConfig, LlamaForCausalLM\n"
+                                    "class EvilConfig(LlamaConfig):\n    pass\n"
+                                    "class EvilModel(LlamaForCausalLM):\n    pass\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    if model_type:
+        config["model_type"] = model_type
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, marker
+
+
+def test_a_model_folder_never_runs_its_own_code_even_when_stdin_says_yes(invoke, tiny_model_dir, book, tmp_path):
+    folder, marker = _folder_with_code(tiny_model_dir, tmp_path, "evilarch")
+    line = one_line(invoke("ppl", book, "--model", folder, "-n", "20", "--quiet", input="y\n" * 20), 1)
+    assert "custom code" in line and not marker.exists()
+    known, marker = _folder_with_code(tiny_model_dir, tmp_path / "known", None)  # a family transformers has
+    assert invoke("ppl", book, "--model", known, "-n", "20", "--quiet").exit_code == 0 and not marker.exists()
+
+
+def test_bin_weights_that_ask_for_code_are_refused_with_one_line(invoke, tiny_model_dir, book, tmp_path):
+    import io
+    import shutil
+    import zipfile
+
+    folder = tmp_path / "bin-model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    buffer = io.BytesIO()
+    torch.save({"x": torch.ones(1)}, buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as plain, zipfile.ZipFile(folder / "pytorch_model.bin",
+                                                                                   "w") as crafted:
+        for info in plain.infolist():  # torch's own zip layout, with a data.pkl that calls os.system
+            data = plain.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                data = pickle.dumps({"model.embed_tokens.weight": _RunsCode(marker)}, protocol=2)
+            crafted.writestr(info, data)
+    line = one_line(invoke("ppl", book, "--model", folder, "-n", "20", "--quiet"), 1)
+    assert "not plain tensors" in line and not marker.exists()
