@@ -1,10 +1,12 @@
 """The pass-key test as a grid: methods x document lengths x depths x trials.
 
-A sentence holding a random five-digit key is hidden at a relative depth of an excerpt of a book,
-the model is asked for the key, and the answer counts as correct when the key's digits appear in
-it. Each trial reads the haystack through :class:`kvcli.generate.Reader` exactly as ``kvcli ask``
-does: one-shot prefill when the prompt fits, otherwise streamed with the question as a probe.
-Every method sees the same haystacks and keys.
+A sentence holding a random key is hidden at a relative depth of an excerpt of a book, the model is
+asked for the key, and the answer counts as correct when the key's digits appear in it. Each trial
+reads the haystack through :class:`kvcli.generate.Reader` exactly as ``kvcli ask`` does, with the
+same prompt and no answer prefix unless one is asked for: one-shot prefill when the prompt fits,
+otherwise streamed with the question as a probe. The needle sentence, the question's wording and
+the key's length vary from trial to trial, and the needle sits at any word boundary, so a rate does
+not hold for one phrasing only. Every method sees the same haystacks and keys.
 """
 
 from __future__ import annotations
@@ -22,10 +24,28 @@ from kvcli.generate import Reader, build_prompt, encode, question_instruction, s
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer with the number only."
-#: Starts the answer, as in the pass-key prompts of the long-context literature, so that a small chat
-#: model answers instead of chatting. The trailing space matters: tokenizers write the space before a
-#: number as a token of its own, so the prompt ends exactly where the key starts in the needle ("is",
-#: " ", digits) and the model copies it (measurements with and without: docs/reading.md).
+#: What a trial hides and asks by default: one needle sentence, one question and a key length drawn per
+#: trial (from the seed), so that no number holds for one phrasing only. The first needle and question
+#: are the fixed harness's (``fixed=True``); the last needle and question were never used to choose any
+#: setting (docs/results.md says which books and phrasings settings were chosen on).
+NEEDLES = (
+    NEEDLE,
+    "The secret pass key is {key}; keep it in mind.",
+    "Remember this pass key: {key}.",
+    "Note that the pass key is {key}, and do not forget it.",
+    "Here is the pass key you will need later: {key}.",
+)
+QUESTIONS = (
+    QUESTION,
+    "What is the pass key mentioned in the text?",
+    "Which number is the pass key? Reply with the number.",
+    "Tell me the pass key from the text.",
+)
+KEY_DIGITS = (4, 5, 6, 7)
+#: An answer prefix as in the pass-key prompts of the long-context literature (``--answer-prefix``): a
+#: user of ``kvcli ask`` types none, so the grid's default is none. The trailing space matters:
+#: tokenizers write the space before a number as a token of its own, so the prompt ends exactly where
+#: the key starts in the needle ("is", " ", digits) and the model copies it (docs/reading.md).
 ANSWER_PREFIX = "The pass key is "
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 DEFAULT_LENGTHS = (6000,)
@@ -63,6 +83,8 @@ class Trial:
     one_shot: bool
     max_cache_tokens: int
     seconds: float
+    needle: str = NEEDLE
+    question: str = QUESTION
 
 
 @dataclass
@@ -98,16 +120,20 @@ def is_correct(answer: str, key: str) -> bool:
     return key in answer or key in re.sub(r"\D", "", answer)
 
 
-def haystack(tokenizer, tokens: Sequence[int], length: int, depth: float, key: str, offset: int = 0) -> str:
-    """``length`` tokens of ``tokens`` from ``offset``, cut at token boundaries, decoded, with the needle
-    inserted at ``depth`` (0 = start, 1 = end) of the excerpt."""
+def haystack(tokenizer, tokens: Sequence[int], length: int, depth: float, key: str, offset: int = 0, *,
+             needle: str = NEEDLE, at_sentence: bool = True) -> str:
+    """``length`` tokens of ``tokens`` from ``offset``, cut at token boundaries, decoded, with ``needle``
+    (its ``{key}`` filled) inserted at ``depth`` (0 = start, 1 = end) of the excerpt: after the last
+    sentence end within 2 % of the text before it (``at_sentence``), else at the nearest word boundary."""
     excerpt = list(tokens[offset:offset + length])
     at = round(depth * len(excerpt))
     before = tokenizer.decode(excerpt[:at])
     after = tokenizer.decode(excerpt[at:])
-    before, after = sentence_break(before, after, reach=len(before + after) // 50)
-    needle = NEEDLE.format(key=key)
-    return " ".join(part for part in (before.rstrip(), needle, after.lstrip()) if part)
+    if at_sentence:
+        before, after = sentence_break(before, after, reach=len(before + after) // 50)
+    else:
+        before, after = word_break(before, after)
+    return " ".join(part for part in (before.rstrip(), needle.format(key=key), after.lstrip()) if part)
 
 
 SENTENCE_END = re.compile(r"""[.!?;]["'’”)]*\s""")
@@ -115,13 +141,22 @@ SENTENCE_END = re.compile(r"""[.!?;]["'’”)]*\s""")
 
 def sentence_break(before: str, after: str, reach: int) -> tuple[str, str]:
     """Move the cut back to the last sentence end within ``reach`` characters, so the needle is a
-    sentence of its own rather than a clause spliced into another (which the model reads past: full
-    attention found 3/5 keys cut in mid-sentence on *A Tale of Two Cities*, see docs/reading.md)."""
+    sentence of its own rather than a clause spliced into another (the fixed harness)."""
     tail = before[max(len(before) - reach, 0):] if reach > 0 else ""
     ends = list(SENTENCE_END.finditer(tail))
     if not ends:
         return before, after
     cut = len(before) - len(tail) + ends[-1].end()
+    return before[:cut], before[cut:] + after
+
+
+def word_break(before: str, after: str) -> tuple[str, str]:
+    """Move a cut inside a word back to the last whitespace before it (a word boundary in any sentence)."""
+    if not before[-1:].strip() or not after[:1].strip():
+        return before, after  # already between words
+    cut = max(before.rfind(" "), before.rfind("\n"))
+    if cut < 0:
+        return before, after
     return before[:cut], before[cut:] + after
 
 
@@ -136,12 +171,16 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
              trials: int = DEFAULT_TRIALS,
              budget: int = 1024, block: int = 256, seed: int = 0, max_new_tokens: int = 12,
              one_shot: bool | None = None, probe: bool = True, options: dict[str, dict] | None = None,
-             answer_prefix: str = ANSWER_PREFIX, warn: Callable[[str], None] | None = None,
+             answer_prefix: str = "", fixed: bool = False, warn: Callable[[str], None] | None = None,
              on_trial: Callable[[Trial, int, int], None] | None = None) -> NeedleResult:
     """Run the grid on ``model``; ``tokens`` is the book (document ids without special tokens).
 
-    ``options`` maps a method name to its parameters. ``on_trial(trial, done, total)`` reports
-    progress. Keys come from ``random.Random(seed)`` in grid order, so a seed fixes every haystack.
+    Every trial is read and answered as ``kvcli ask DOC QUESTION`` does with these options: the
+    default ``answer_prefix`` is none, as a user types. ``fixed`` hides the same needle sentence and
+    asks the same question with five-digit keys at sentence breaks in every trial (the harness of
+    earlier results); by default each trial draws its needle, question and key length. ``options``
+    maps a method name to its parameters. ``on_trial(trial, done, total)`` reports progress. Every
+    draw comes from ``random.Random(seed)`` in grid order, so a seed fixes every haystack.
     """
     from kvcli.methods import make_method
 
@@ -161,15 +200,17 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
         built[name] = make_method(name, (options or {}).get(name))
         check_budget(built[name], budget)
 
-    parts = build_prompt(tokenizer, question_instruction(QUESTION, answer_prefix))
     stop_ids = stop_token_ids(tokenizer, model)
     params = {name: m.settings() for name, m in built.items()}
-    result = NeedleResult(settings={"cache": budget, "block": block, "seed": seed, "question": QUESTION,
-                                    "answer_prefix": answer_prefix, "needle": NEEDLE, "max_new_tokens": max_new_tokens,
+    result = NeedleResult(settings={"cache": budget, "block": block, "seed": seed, "fixed": fixed,
+                                    "questions": [QUESTION] if fixed else list(QUESTIONS),
+                                    "needles": [NEEDLE] if fixed else list(NEEDLES),
+                                    "answer_prefix": answer_prefix, "max_new_tokens": max_new_tokens,
                                     "probe": probe, "params": params})
     total = len(lengths) * len(depths) * trials * len(methods)
     done = 0
-    for stack in haystacks(tokenizer, tokens, lengths, depths, trials, seed):
+    for stack in haystacks(tokenizer, tokens, lengths, depths, trials, seed, fixed=fixed):
+        parts = build_prompt(tokenizer, question_instruction(stack.question, answer_prefix))
         for name in methods:
             engine = Engine(model, built[name], budget, block=block, warn=warn)
             reader = Reader(engine, tokenizer, stop_ids=stop_ids)
@@ -178,7 +219,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
             answer = gen.text.strip()
             record = Trial(name, stack.length, stack.depth, stack.trial, stack.key, answer,
                            is_correct(answer, stack.key), gen.prompt_tokens, gen.one_shot, gen.max_cache_tokens,
-                           time.perf_counter() - started)
+                           time.perf_counter() - started, stack.needle, stack.question)
             result.trials.append(record)
             done += 1
             if on_trial:
@@ -188,28 +229,41 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
 
 @dataclass
 class Haystack:
-    """One cell of the grid: an excerpt of ``length`` tokens with ``key`` hidden at ``depth``, encoded."""
+    """One cell of the grid: an excerpt of ``length`` tokens with ``key`` hidden at ``depth`` in
+    ``needle``, encoded, and the ``question`` that asks for it."""
 
     length: int
     trial: int
     depth: float
     key: str
     doc: list[int]
+    needle: str = NEEDLE
+    question: str = QUESTION
 
 
 def haystacks(tokenizer, tokens: Sequence[int], lengths: Iterable[int], depths: Iterable[float], trials: int,
-              seed: int = 0) -> Iterator[Haystack]:
-    """The grid's haystacks in grid order (length, trial, depth), keys drawn from ``random.Random(seed)``:
-    what ``run_grid`` reads, so that a script can rebuild the haystacks of a ``kvcli needle`` run."""
+              seed: int = 0, *, fixed: bool = False) -> Iterator[Haystack]:
+    """The grid's haystacks in grid order (length, trial, depth), every draw from ``random.Random(seed)``:
+    what ``run_grid`` reads, so that a script can rebuild the haystacks of a ``kvcli needle`` run.
+
+    ``fixed``: :data:`NEEDLE` at a sentence break, :data:`QUESTION`, five-digit keys. Otherwise each
+    haystack draws a needle of :data:`NEEDLES`, a question of :data:`QUESTIONS` and a key length of
+    :data:`KEY_DIGITS`, and the needle goes in at the word boundary nearest its depth.
+    """
     rng = random.Random(seed)
     depths = list(depths)
     for length in lengths:
         for trial in range(trials):
             offset = excerpt_offset(len(tokens), length, trial)
             for depth in depths:
-                key = str(rng.randint(10000, 99999))
-                yield Haystack(length, trial, depth, key, encode(tokenizer, haystack(tokenizer, tokens, length, depth,
-                                                                                     key, offset)))
+                if fixed:
+                    key, needle, question = str(rng.randint(10000, 99999)), NEEDLE, QUESTION
+                else:
+                    digits = rng.choice(KEY_DIGITS)
+                    key = str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+                    needle, question = rng.choice(NEEDLES), rng.choice(QUESTIONS)
+                text = haystack(tokenizer, tokens, length, depth, key, offset, needle=needle, at_sentence=fixed)
+                yield Haystack(length, trial, depth, key, encode(tokenizer, text), needle, question)
 
 
 def book_tokens(documents, tokenizer, limit: int | None = None) -> list[int]:

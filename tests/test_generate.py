@@ -22,7 +22,7 @@ from kvcli.generate import (
 )
 from kvcli.methods import METHODS, make_method
 from kvcli.models import tiny_llama
-from kvcli.needle import NEEDLE, excerpt_offset, haystack, is_correct, sentence_break
+from kvcli.needle import NEEDLE, excerpt_offset, haystack, haystacks, is_correct, sentence_break, word_break
 
 DOC = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do."
 
@@ -257,6 +257,30 @@ def test_haystack_hides_the_needle_at_its_depth(smol_tokenizer):
         assert abs(where - depth) < 0.05
     assert excerpt_offset(1000, 300, 0) == 0 and excerpt_offset(1000, 300, 2) == 600
     assert excerpt_offset(1000, 300, 3) == 900 % 701 and excerpt_offset(200, 300, 5) == 0
+
+
+def test_varied_haystacks_hide_their_own_needle_at_a_word_boundary(smol_tokenizer):
+    """By default each haystack draws its needle, question and key length, and the needle sits between two
+    words of the book wherever its depth falls, sentence end or not."""
+    from kvcli.needle import KEY_DIGITS, NEEDLES, QUESTIONS
+
+    tokens = encode(smol_tokenizer, DOC * 40)
+    stacks = list(haystacks(smol_tokenizer, tokens, [300], [0.2, 0.5, 0.8], trials=4, seed=3))
+    assert len(stacks) == 12
+    assert len({s.needle for s in stacks}) > 1 and len({s.question for s in stacks}) > 1
+    assert len({len(s.key) for s in stacks}) > 1 and all(len(s.key) in KEY_DIGITS for s in stacks)
+    for stack in stacks:
+        assert stack.needle in NEEDLES and stack.question in QUESTIONS
+        text = smol_tokenizer.decode(stack.doc)
+        needle = stack.needle.format(key=stack.key)
+        assert text.count(needle) == 1
+        at = text.index(needle)
+        assert abs(at / max(1, len(text) - len(needle)) - stack.depth) < 0.05
+        assert at == 0 or text[at - 1] == " "
+    assert word_break("He came th", "en he went") == ("He came", " then he went")
+    assert word_break("He came ", "then") == ("He came ", "then")  # already between words
+    assert word_break("He came", " then") == ("He came", " then")
+    assert word_break("word", "s") == ("word", "s")  # no boundary before: as cut
 
 
 def test_needle_starts_after_a_sentence_end_within_reach():

@@ -170,7 +170,11 @@ def test_needle_grid_json_and_table(invoke, tiny_model_dir, tmp_path):
     assert len(data["trials"]) == 2 * 2 * 2
     first = data["trials"][0]
     assert {"method", "length", "depth", "trial", "key", "answer", "correct", "prompt_tokens"} <= set(first)
-    assert len(first["key"]) == 5 and first["key"].isdigit()
+    assert 4 <= len(first["key"]) <= 7 and first["key"].isdigit()
+    assert data["answer_prefix"] == "" and not data["fixed"]  # the user's path: no answer prefix
+    assert {t["question"] for t in data["trials"]} <= set(data["questions"]) and len(data["questions"]) > 1
+    for t in data["trials"]:
+        assert t["needle"] in data["needles"]
     assert {t["depth"] for t in data["trials"]} == {0.25, 0.75}
     assert [(r["method"], r["trials"]) for r in data["accuracy"]] == [(m, 4) for m in methods.split(",")]
     assert len(data["by_depth"]) == 4 and all(0 <= r["accuracy"] <= 1 for r in data["by_depth"])
@@ -182,6 +186,20 @@ def test_needle_grid_json_and_table(invoke, tiny_model_dir, tmp_path):
     assert len({tuple(k) for k in keys.values()}) == 1
     table = invoke(*common[:-1], "1").stdout
     assert "pass-key accuracy" in table and "by depth" in table and "300 tokens" in table and "95% CI" in table
+
+
+def test_needle_fixed_harness_and_answer_prefix(invoke, tiny_model_dir, tmp_path):
+    """--fixed hides the one needle with five-digit keys and asks the one question; --answer-prefix starts the
+    answer, as `ask --answer-prefix` does."""
+    from kvcli.needle import NEEDLE, QUESTION
+
+    text = tmp_path / "haystack.txt"
+    text.write_text(TEXT * 3)
+    data = json.loads(invoke("needle", str(text), *tiny(tiny_model_dir), "--methods", "streamingllm", "--lengths",
+                             "200", "--depths", "0.5", "--trials", "3", "--cache", "48", "--max-new-tokens", "1",
+                             "--fixed", "--answer-prefix", "The pass key is ", "--json", "--no-plots").stdout)
+    assert data["fixed"] and data["answer_prefix"] == "The pass key is "
+    assert all(t["needle"] == NEEDLE and t["question"] == QUESTION and len(t["key"]) == 5 for t in data["trials"])
 
 
 def test_needle_method_options(invoke, tiny_model_dir, tmp_path, monkeypatch):

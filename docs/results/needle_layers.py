@@ -27,7 +27,7 @@ def main() -> None:
     loaded = load_model("smollm2-135m")
     tokenizer = loaded.tokenizer
     tokens = book_tokens(open_source(book), tokenizer)
-    stack = list(haystacks(tokenizer, tokens, [length], DEFAULT_DEPTHS, trials=1))[depth_index]
+    stack = list(haystacks(tokenizer, tokens, [length], DEFAULT_DEPTHS, trials=1, fixed=True))[depth_index]
     key, doc = stack.key, stack.doc
     parts = build_prompt(tokenizer, question_instruction(QUESTION, ANSWER_PREFIX))
     stream = parts.prefix + doc

@@ -29,7 +29,7 @@ def main() -> None:
     loaded = load_model("smollm2-135m")
     tokenizer = loaded.tokenizer
     tokens = book_tokens(open_source(book), tokenizer, 2 * LENGTH)
-    stacks = list(haystacks(tokenizer, tokens, [LENGTH], DEFAULT_DEPTHS, trials=1))
+    stacks = list(haystacks(tokenizer, tokens, [LENGTH], DEFAULT_DEPTHS, trials=1, fixed=True))
     parts = build_prompt(tokenizer, question_instruction(QUESTION, ANSWER_PREFIX))
     stop_ids = stop_token_ids(tokenizer, loaded.model)
     for setting in settings:

@@ -20,7 +20,7 @@ from kvcli.cli.options import (
     split_list,
     with_setup,
 )
-from kvcli.cli.reading import MaxNewOpt, OneShotOpt, ProbeOpt, SeedOpt
+from kvcli.cli.reading import AnswerPrefixOpt, MaxNewOpt, OneShotOpt, ProbeOpt, SeedOpt
 from kvcli.errors import UsageError
 
 
@@ -51,6 +51,11 @@ def needle(
     max_new_tokens: MaxNewOpt = 12,
     one_shot: OneShotOpt = None,
     probe: ProbeOpt = True,
+    answer_prefix: AnswerPrefixOpt = "",
+    fixed: Annotated[bool, typer.Option("--fixed", help="One needle sentence, one question and five-digit keys at "
+                                        "sentence breaks in every trial (the harness of earlier results); by "
+                                        "default each trial draws its needle, wording and key length, and the "
+                                        "needle goes in at any word boundary.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every trial and the accuracy "
                                            "tables.")] = False,
     out: Annotated[Path, typer.Option("--out", help="Folder for needle.png, the accuracy per method as a map "
@@ -59,7 +64,12 @@ def needle(
     *,
     setup: Setup,
 ) -> None:
-    """Pass-key retrieval as a grid: methods x lengths x depths, accuracy on stdout, a map in --out."""
+    """Pass-key retrieval as a grid: methods x lengths x depths, accuracy on stdout, a map in --out.
+
+    Every trial is `kvcli ask HAYSTACK QUESTION` as a user types it (no answer prefix unless
+    --answer-prefix gives one), with the needle, the question's wording and the key's length drawn
+    per trial (--fixed for one of each).
+    """
     from kvcli.cli.render import needle_tables
     from kvcli.methods import METHODS
     from kvcli.needle import DEFAULT_TRIALS, book_tokens, run_grid
@@ -91,7 +101,8 @@ def needle(
 
     result = run_grid(loaded.model, loaded.tokenizer, tokens, method_list, lengths=length_list, depths=depth_list,
                       trials=trials, budget=cache, block=block_size, seed=seed, max_new_tokens=max_new_tokens,
-                      one_shot=one_shot, probe=probe, options=per_method, warn=setup.say, on_trial=on_trial)
+                      one_shot=one_shot, probe=probe, options=per_method, answer_prefix=answer_prefix, fixed=fixed,
+                      warn=setup.say, on_trial=on_trial)
     if json_out:
         print_result(dumps({"model": loaded.name, **result.as_dict()}))
     else:
