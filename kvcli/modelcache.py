@@ -68,7 +68,7 @@ def cache_root() -> Path:
     ``~/.cache/kvcli``."""
     moved = os.environ.get("KVCLI_CACHE")
     if moved:
-        return Path(os.path.expanduser(moved))
+        return Path(os.path.expanduser(moved)).absolute()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvcli"
 
@@ -204,11 +204,13 @@ def clear() -> tuple[int, int]:
 
     A command loading a model at the same time may find its entry gone and build it again.
     """
-    found = entries()
-    for entry in found:
+    removed = []
+    for entry in entries():
         _remove(entry.path)
+        if not entry.path.exists():
+            removed.append(entry)
     shutil.rmtree(models_dir() / ".sources", ignore_errors=True)
-    return len(found), sum(entry.bytes for entry in found)
+    return len(removed), sum(entry.bytes for entry in removed)
 
 
 def _build(final: Path, source: Path, variant: dict[str, str], convert: Callable[[Path], None]) -> None:

@@ -291,7 +291,7 @@ def _load_gguf(path: Path, kwargs: dict, warn: Callable[[str], None]) -> tuple[o
     variant = {"dtype": str(dtype).removeprefix("torch."), **_converter_versions()}
 
     def convert(folder: Path) -> None:
-        tokenizer, model = _read_gguf(path, {"dtype": dtype})  # on the CPU: the entry serves every device
+        tokenizer, model = _read_gguf(path, {"dtype": dtype, **SAFE_LOADING})  # on the CPU: the entry serves any device
         try:
             with _quiet():
                 model.save_pretrained(folder)
@@ -307,7 +307,10 @@ def _load_gguf(path: Path, kwargs: dict, warn: Callable[[str], None]) -> tuple[o
         return _read_entry(folder, path, kwargs)
     except Exception as exc:  # noqa: BLE001 (an entry kvcli wrote that fails to load is damaged, whatever the error)
         warn(f"the cached model {folder} is damaged ({_first_line(exc)}): converting {path.name} again")
-    modelcache.discard(folder)
+    try:
+        modelcache.discard(folder)
+    except CacheUnwritable:  # a damaged entry in a read-only cache: it stays, and this load goes around it
+        return _read_gguf(path, kwargs)
     folder = modelcache.converted(path, label, variant, convert, warn=warn)
     return _read_gguf(path, kwargs) if folder is None else _read_entry(folder, path, kwargs)
 

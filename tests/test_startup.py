@@ -41,6 +41,8 @@ def test_listings_import_no_torch(args, config_home):
 @pytest.mark.parametrize("args", [
     ["ppl"],                                     # a missing argument (Typer)
     ["ppl", "BOOK", "--no-such-option"],         # an unknown option (Typer)
+    ["ppl", "BOOK", "--block", "x"],             # a bad value, checked by the command
+    ["ppl", "BOOK", "--stride", "3"],            # options that go together
 ])
 def test_usage_errors_import_no_torch(args, book):
     result = probe(*[str(book) if arg == "BOOK" else arg for arg in args])
