@@ -9,8 +9,9 @@ never holds more than a block's logits:
 * a header: magic, then a JSON object (model, vocabulary size, top-k);
 * per scored token: its id, the ids of the reference's ``k`` most likely next tokens, their
   log-probabilities (fp16) and the log of the probability left to the other tokens (fp32);
-* a footer: a JSON object (tokens, the SHA-256 of the scored token ids, interrupted), then magic.
-  A file without it was cut off and is refused.
+* a footer: a JSON object (tokens, the SHA-256 of the scored token ids, the SHA-256 of all the records,
+  interrupted), then magic. A file without it was cut off and is refused; a comparison that read
+  every record and finds another hash (a flipped bit) is refused too, rather than reported.
 
 The comparison coarsens both distributions to the same ``k + 1`` buckets (the reference's top-k
 tokens and "the rest"), rounds the run's top-k log-probabilities to fp16 as the file holds them,
@@ -69,6 +70,7 @@ class LogitsWriter:
         self.dtype = record_dtype(top_k)
         self.tokens = 0
         self.digest = hashlib.sha256()
+        self.records = hashlib.sha256()
         try:
             self.file: BinaryIO = self.path.open("wb")
         except OSError as err:
@@ -85,7 +87,9 @@ class LogitsWriter:
         records["ids"] = ids.cpu().numpy()
         records["logp"] = top.cpu().numpy()
         records["rest"] = rest.cpu().numpy()
-        self.file.write(records.tobytes())
+        data = records.tobytes()
+        self.file.write(data)
+        self.records.update(data)
         self.digest.update(records["target"].tobytes())
         self.tokens += targets.shape[0]
 
@@ -100,7 +104,7 @@ class LogitsWriter:
 
     def close(self, interrupted: bool = False) -> None:
         footer = json.dumps({"tokens": self.tokens, "sha256": self.digest.hexdigest(),
-                             "interrupted": interrupted}).encode()
+                             "records_sha256": self.records.hexdigest(), "interrupted": interrupted}).encode()
         self.file.write(footer + _LENGTH.pack(len(footer)) + END)
         self.file.close()
 
@@ -129,17 +133,21 @@ class Reference:
             length = _LENGTH.unpack(tail[:_LENGTH.size])[0]
             self.file.seek(size - len(END) - _LENGTH.size - length)
             footer = json.loads(self.file.read(length))
-        except (ValueError, struct.error, OSError):
+            self.model: str = str(header["model"])
+            self.vocab: int = int(header["vocab"])
+            self.top_k: int = int(header["top_k"])
+            self.tokens: int = int(footer["tokens"])
+            self.sha256: str = str(footer["sha256"])
+            self.records_sha256: str | None = footer.get("records_sha256")  # None in files of older kvcli
+            self.dtype = record_dtype(self.top_k)
+            if self.top_k < 1 or self.tokens < 0 or self.start + self.tokens * self.dtype.itemsize > size:
+                raise ValueError("sizes")
+        except (ValueError, TypeError, KeyError, AttributeError, struct.error, OSError):
             self.file.close()
             raise KvcliError(f"{path} is not a reference saved with --save-logits") from None
-        self.model: str = header["model"]
-        self.vocab: int = header["vocab"]
-        self.top_k: int = header["top_k"]
-        self.tokens: int = footer["tokens"]
-        self.sha256: str = footer["sha256"]
-        self.dtype = record_dtype(self.top_k)
         self.file.seek(self.start)
         self.read_so_far = 0
+        self.records = hashlib.sha256()  # of the records read, checked against the footer's once all are
 
     def check_model(self, model: str, vocab: int) -> None:
         """Refuse a run of another model (its vocabulary, and so its distributions, differ)."""
@@ -154,6 +162,7 @@ class Reference:
                              "compare over the same tokens (--max-tokens)")
         data = self.file.read(count * self.dtype.itemsize)
         self.read_so_far += count
+        self.records.update(data)
         return np.frombuffer(data, dtype=self.dtype)
 
     def close(self) -> None:
@@ -194,6 +203,8 @@ class KLMeter:
                              "compare the same source, protocol and model")
         self.digest.update(records["target"].tobytes())
         device = logprobs.device
+        if records["ids"].size and not 0 <= int(records["ids"].min()) <= int(records["ids"].max()) < logprobs.shape[1]:
+            raise KvcliError(f"{self.reference.path} is damaged (a token id outside the vocabulary): save it again")
         ids = torch.from_numpy(records["ids"].astype(np.int64)).to(device)
         base = torch.cat((torch.from_numpy(records["logp"].astype(np.float32)),
                           torch.from_numpy(records["rest"].copy())[:, None]), dim=1).to(device)
@@ -212,6 +223,8 @@ class KLMeter:
         if not interrupted and (count != ref.tokens or self.digest.hexdigest() != ref.sha256):
             raise KvcliError(f"the run scored {count:,} tokens, {ref.path} holds {ref.tokens:,}: "
                              "compare over the same tokens (source, protocol, --max-tokens)")
+        if not interrupted and ref.records_sha256 is not None and ref.records.hexdigest() != ref.records_sha256:
+            raise KvcliError(f"{ref.path} is damaged (its records do not match their checksum): save it again")
         values = np.frombuffer(self.values, dtype=np.float32) if count else np.zeros(1, dtype=np.float32)
         return Divergence(str(ref.path), count, float(values.astype(np.float64).mean()),
                           float(np.percentile(values, 99)), self.same / count if count else float("nan"))

@@ -653,3 +653,29 @@ def test_bin_weights_that_ask_for_code_are_refused_with_one_line(invoke, tiny_mo
             crafted.writestr(info, data)
     line = one_line(invoke("ppl", book, "--model", folder, "-n", "20", "--quiet"), 1)
     assert "not plain tensors" in line and not marker.exists()
+
+
+def test_fuzzed_references_are_one_line_and_never_a_number(invoke, tiny_model_dir, book, tmp_path):
+    import json
+
+    import numpy as np
+
+    reference = tmp_path / "ref.kvlogits"
+    saved = invoke(*ppl(tiny_model_dir, book, "-n", "60", "--method", "full", "--save-logits", reference,
+                        "--logits-top-k", "4"))
+    assert saved.exit_code == 0, saved.stderr
+    good = reference.read_bytes()
+    compare = ppl(tiny_model_dir, book, "--kl-base", reference)
+    assert json.loads(invoke(*compare).stdout)["kl_tokens"] == 60
+    rng = np.random.default_rng(2)
+    header_end = good.index(b"}") + 1
+    variants = {"cut": good[: len(good) // 2], "empty": b"", "header key": good.replace(b'"vocab"', b'"vocob"')}
+    for index in range(4):  # one bit in the records, past the header and before the footer
+        flipped = bytearray(good)
+        flipped[int(rng.integers(header_end, len(good) - 200))] ^= 1 << int(rng.integers(0, 8))
+        variants[f"flip {index}"] = bytes(flipped)
+    for name, data in variants.items():
+        reference.write_bytes(data)
+        result = invoke(*compare)
+        assert result.stdout == "", name
+        assert str(reference) in one_line(result, 1), name
