@@ -174,6 +174,8 @@ def test_generation_is_greedy_and_stops_at_max_gen_toks(tiny_model_dir):
     ({"method": "nope"}, "unknown method 'nope'"),
     ({"method": "streamingllm", "sinkz": 4}, "has no parameter 'sinkz'"),
     ({"block": "x"}, "block must be a number of tokens or auto"),
+    ({"cache": "lots"}, "cache must be a whole number"),
+    ({"one_shot": "maybe"}, "one_shot must be true, false or auto"),
     ({"method": "streamingllm", "cache": 2, "sinks": 4}, "cache 2 is smaller than"),
 ])
 def test_bad_model_args_are_one_clear_error(tiny_model_dir, args, message):

@@ -50,6 +50,17 @@ KV_BITS = (16,)
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
 
 
+def _whole(name: str, value: int | str, minimum: int) -> int:
+    """A whole-number model_arg (lm-eval hands over digits as ints already, anything else as text)."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} must be a whole number, not {value!r}") from None
+    if number < minimum:
+        raise UsageError(f"{name} must be at least {minimum}, not {number}")
+    return number
+
+
 def _block(value: int | str) -> int | None:
     """``block``: tokens per forward pass, or ``auto`` (None: the engine's default for the device)."""
     if str(value).strip().lower() == "auto":
@@ -104,19 +115,18 @@ class KvcliLM(TemplateLM):
                  max_batch_size: int | None = None, **options) -> None:
         super().__init__()
         # Everything the user typed is checked before the model loads (seconds to minutes).
-        if int(kv_bits) not in KV_BITS:
+        if _whole("kv_bits", kv_bits, 1) not in KV_BITS:
             raise UsageError(f"kv_bits={kv_bits}: kvcli keeps the cache in the model's own 16-bit precision; "
                              "a quantized cache is not implemented (use kv_bits=16)")
+        budget = _whole("cache", cache, 1)
         block_size = _block(block)
         self.one_shot = _one_shot(one_shot)
-        self.max_gen_toks = int(max_gen_toks)
-        self.seed = int(seed)
-        if self.max_gen_toks < 1:
-            raise UsageError(f"max_gen_toks must be at least 1, not {max_gen_toks}")
+        self.max_gen_toks = _whole("max_gen_toks", max_gen_toks, 1)
+        self.seed = _whole("seed", seed, 0)
         method_obj = make_method(str(method), options)
         loaded = load_model(str(pretrained or model), device=_device(device), dtype=str(dtype))
         try:
-            self.engine = Engine(loaded.model, method_obj, int(cache), block=block_size, warn=warn)
+            self.engine = Engine(loaded.model, method_obj, budget, block=block_size, warn=warn)
         except BudgetError as exc:
             raise UsageError(exc.for_flag("cache")) from None
         self.loaded = loaded
