@@ -180,8 +180,11 @@ def _adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: Group
         raise UsageError(f"the documents hold fewer than {seq_len + 1} tokens: nothing to train on")
     if interrupted or step < total:
         save_state(step)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    try:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    except OSError as exc:  # a full disk: the state saved above still resumes the run
+        raise KvcliError(f"--out {out}: cannot save the model ({exc.strerror or exc})") from None
     groups.save(out / GROUPS_IN_MODEL_FOLDER)
     if step >= total and state_path.is_file():
         state_path.unlink()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvcli.errors import KvcliError
+from kvcli.errors import KvcliError, UsageError
 
 DEFAULT_CHUNK_CHARS = 1 << 20
 
@@ -148,7 +148,7 @@ def open_source(
         try:
             codecs.lookup(encoding)
         except LookupError:
-            raise KvcliError(f"unknown encoding: {encoding}") from None
+            raise UsageError(f"unknown encoding: {encoding}") from None  # a bad --encoding: usage, exit 2
     warn = warn or _print_warning
 
     if source == "-":

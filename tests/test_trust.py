@@ -457,6 +457,7 @@ def test_nothing_scored_has_no_bits_per_byte(invoke, tiny_model_dir, tmp_path):
 
 def test_usage_errors_exit_2_and_method_parameters_state_their_range(invoke, tiny_model_dir, book):
     assert "--dtype 'bogus'" in one_line(invoke(*ppl(tiny_model_dir, book, "--dtype", "bogus")), 2)
+    assert "unknown encoding" in one_line(invoke(*ppl(tiny_model_dir, book, "--encoding", "klingon")), 2)
     line = one_line(invoke(*ppl(tiny_model_dir, book, "-o", "sinks=-1")), 2)
     assert "sinks must be an integer >= 0" in line
     assert "an integer >= 1" in one_line(invoke(*ppl(tiny_model_dir, book, "--method", "snapkv", "-o", "window=0")), 2)

@@ -48,7 +48,7 @@ def analyze(
     from kvcli.analysis import write_plots
     from kvcli.cli.render import summary_lines
     from kvcli.needle import book_tokens
-    from kvcli.outputs import check_output
+    from kvcli.outputs import atomic_write, check_output
     from kvcli.plots import MISSING, have_matplotlib
     from kvcli.report import dumps, print_result
 
@@ -82,17 +82,20 @@ def analyze(
     result = {"model": loaded.name, "source": source, "device": str(loaded.device),
               "dtype": str(loaded.dtype).removeprefix("torch."), **result,
               "seconds": round(time.perf_counter() - started, 3)}
-    out.mkdir(parents=True, exist_ok=True)
     files = []
-    if plots and have_matplotlib():
-        step("drawing")
-        files = [str(path) for path in write_plots(result, out)]
-    elif plots:
-        setup.say(f"{MISSING}: writing analysis.json only")
     json_path = out / "analysis.json"
-    result["files"] = [str(json_path), *files]
-    text = dumps(result)
-    json_path.write_text(text + "\n", encoding="utf-8")
+    try:  # the folder was checked before the analysis; a disk that fills up since is still one line
+        out.mkdir(parents=True, exist_ok=True)
+        if plots and have_matplotlib():
+            step("drawing")
+            files = [str(path) for path in write_plots(result, out)]
+        elif plots:
+            setup.say(f"{MISSING}: writing analysis.json only")
+        result["files"] = [str(json_path), *files]
+        text = dumps(result)
+        atomic_write(json_path, (text + "\n").encode("utf-8"))
+    except OSError as exc:
+        raise KvcliError(f"--out {out}: {exc.strerror or exc}") from None
     if json_out:
         print_result(text)
         return
