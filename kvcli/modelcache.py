@@ -161,7 +161,7 @@ def check(entry: Path) -> str | None:
     except (OSError, ValueError) as exc:
         return f"unreadable manifest: {type(exc).__name__}"
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict) or not files:
+    if not isinstance(files, dict) or not files or manifest.get("format") != FORMAT:
         return "a manifest of another format"
     for name, size in files.items():
         if Path(name).name != name:

@@ -234,6 +234,15 @@ def test_weights_cut_in_half_are_rebuilt_with_one_warning(tiny_gguf, cache, invo
     assert len(complete_entries()) == 1
 
 
+@pytest.mark.parametrize("manifest", ["[]", "{", '{"format": 1, "files": {"../config.json": 2}}', '{"format": 99}'])
+def test_a_manifest_that_is_not_kvclis_is_damage(tmp_path, manifest):
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "config.json").write_text("{}")
+    (entry / modelcache.MANIFEST).write_text(manifest)
+    assert modelcache.check(entry) is not None
+
+
 def test_weights_that_fail_to_load_are_rebuilt_with_one_warning(tiny_gguf, cache):
     """Damage of the right size (a zeroed header) is found when the entry fails to load, and rebuilt too."""
     # Loaded weights map the entry's file (copy-on-write), so keep a copy of them before damaging it.
