@@ -96,7 +96,8 @@ class TokenDigest:
 
     The hash covers ids as little-endian int32, in stream order (what :func:`kvcli.kl.token_digest`
     hashes too). Tokens read but not yet hashed wait in a queue, so :meth:`digest` can give the hash of
-    exactly the tokens a checkpoint covers while the reader is a block or a chunk ahead.
+    exactly the tokens a checkpoint covers while the reader is a block or a chunk ahead; the owner
+    calls :meth:`advance` after every block, so the queue never holds more than that read-ahead.
     """
 
     def __init__(self, chunks: Iterable[list[int]]):
@@ -114,7 +115,8 @@ class TokenDigest:
             self.read += len(ids)
             yield ids
 
-    def _hash_to(self, position: int) -> None:
+    def advance(self, position: int) -> None:
+        """Hash the tokens up to ``position`` (read already; positions only move forward)."""
         while self.hashed < position:
             ids = self.pending.popleft()
             take = min(len(ids), position - self.hashed)
@@ -125,7 +127,7 @@ class TokenDigest:
 
     def digest(self, position: int) -> str:
         """SHA-256 of the first ``position`` tokens (all read already; positions only move forward)."""
-        self._hash_to(position)
+        self.advance(position)
         return self.hash.hexdigest()
 
     def skip(self, count: int) -> bool:
@@ -136,7 +138,7 @@ class TokenDigest:
                 return False
             self.pending.append(ids)
             self.read += len(ids)
-        self._hash_to(count)
+        self.advance(count)
         return True
 
 
@@ -222,6 +224,7 @@ class Checkpointer:
         the last whole block before a ``--max-tokens`` cut (what extending the run continues from)."""
         self.last = state
         position = state.position
+        self.digest.advance(position)  # hashed block by block: memory stays flat between saves
         tokens, when = self.saved_at
         if position == tokens or self._cut_short(position):
             return
