@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Annotated
@@ -43,6 +42,7 @@ def bytes_budget(method, loaded, nbytes: int, text: str) -> int:
 
 @with_setup
 def ppl(
+    ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="A text file, a folder of .txt files, - for stdin, or pg19.")],
     method: MethodOpt = "streamingllm",
     cache: CacheOpt = 1024,
@@ -130,30 +130,14 @@ def ppl(
     for path, flag in ((jsonl, "--jsonl"), (rows, "--rows"), (save_logits, "--save-logits")):
         if path is not None:
             check_output(path, flag)
-    with contextlib.ExitStack() as held:
-        if checkpoint is not None:
-            # The folder is this run's from now until it ends, and is checked before the model loads.
-            from kvcli.checkpoint import claim
-            from kvcli.outputs import lock_folder
+    if checkpoint is not None:
+        # The folder is this run's until the command ends (its context closes it then, however it ends),
+        # and is checked before the model loads.
+        from kvcli.checkpoint import claim
+        from kvcli.outputs import lock_folder
 
-            held.enter_context(lock_folder(checkpoint, "--checkpoint"))
-            claim(checkpoint, resume, overwrite)
-        _measure(setup, ranks, source, data_dir, method, method_obj, cache, cache_bytes, nbytes, block_size,
-                 max_tokens, stream, context, stride, json_out, jsonl, rows, checkpoint, every_tokens, every_seconds,
-                 resume, overwrite, save_logits, kl_base, logits_top_k)
-
-
-def _measure(setup: Setup, ranks, source: str, data_dir: Path | None, method: str, method_obj, cache: int,
-             cache_bytes: str | None, nbytes: int | None, block_size: int | None, max_tokens: int | None,
-             stream: bool, context: int | None, stride: int | None, json_out: bool, jsonl: Path | None,
-             rows: Path | None, checkpoint: Path | None, every_tokens: int | None, every_seconds: float | None,
-             resume: bool, overwrite: bool, save_logits: Path | None, kl_base: Path | None,
-             logits_top_k: int | None) -> None:
-    """``kvcli ppl`` once its options are checked (and its checkpoint folder held): load, measure, print.
-
-    Side files that fail while the run goes on (a full disk) are collected, not raised: the result is
-    printed first, then one line says which file is incomplete (:class:`kvcli.outputs.SideFailures`).
-    """
+        ctx.with_resource(lock_folder(checkpoint, "--checkpoint"))
+        claim(checkpoint, resume, overwrite)
     from kvcli.checkpoint import Checkpointer, identity
     from kvcli.cli.render import ppl_summary
     from kvcli.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter, Reference
@@ -161,6 +145,8 @@ def _measure(setup: Setup, ranks, source: str, data_dir: Path | None, method: st
     from kvcli.perplexity import PerplexityRun, evaluate
     from kvcli.report import StreamProgress, dumps, print_result
 
+    # Side files that fail while the run goes on (a full disk) are collected, not raised: the result is
+    # printed first, then one line says which file is incomplete (kvcli.outputs.SideFailures).
     reference = Reference(kl_base) if kl_base is not None else None
     if reference is not None:
         if max_tokens is not None and max_tokens > reference.tokens:
