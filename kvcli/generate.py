@@ -70,10 +70,17 @@ TEMPLATES: dict[str, Instruction] = {
 }
 
 
+#: How ``kvcli ask`` frames the user's question for a chat model. After thousands of tokens of a book a
+#: small chat model given the bare question often goes on with the book or chats about it; told what to
+#: do first, it answers (measured with full attention on held-in books: docs/reading.md).
+ASK_FRAME = "Answer the question about the text above in one short sentence.\nQuestion: {question}"
+
+
 def question_instruction(question: str, answer_prefix: str = "") -> Instruction:
-    """The instruction of ``kvcli ask``: the question itself, or a Question/Answer cue for base models."""
+    """The instruction of ``kvcli ask``: the question in :data:`ASK_FRAME`, or a Question/Answer cue for base
+    models."""
     question = question.strip()
-    return Instruction(question, f"\n\nQuestion: {question}\nAnswer:", answer_prefix)
+    return Instruction(ASK_FRAME.format(question=question), f"\n\nQuestion: {question}\nAnswer:", answer_prefix)
 
 
 def custom_instruction(prompt: str, answer_prefix: str = "") -> Instruction:

@@ -359,7 +359,7 @@ def test_pyramidkv_budget_sequence(beta, layers, cache):
 def test_pyramidkv_budgets_by_hand():
     # cache 100, 4 layers, beta 20, alpha 8: S = 92, k^3 = 4.6, k^0 = 179.4, step 58.2667:
     # 179.4, 121.13, 62.87, 4.6 -> floors 179 121 62 4 (366 of 368) -> +1 to 62.87 and 4.6.
-    assert make_method("pyramidkv").layer_budgets(100, 4) == [187, 129, 71, 13]
+    assert make_method("pyramidkv", {"beta": 20}).layer_budgets(100, 4) == [187, 129, 71, 13]
     assert make_method("pyramidkv").layer_budgets(100, 1) == [100]
 
 
@@ -427,7 +427,8 @@ def test_a_reused_method_instance_keeps_no_state_of_its_own(tiny, name):
     ("snapkv", {}, 31),  # the window (32) is always kept
     ("snapkv", {"kernel": 4}, 64),
     ("snapkv", {"pooling": "mean"}, 64),
-    ("pyramidkv", {}, 27),  # 8 kept + beta 20: the top layer would select nothing
+    ("pyramidkv", {}, 12),  # 8 kept + beta 5: the top layer would select nothing
+    ("pyramidkv", {"beta": 20}, 27),
     ("pyramidkv", {"beta": 0.5}, 128),
     ("h2o", {"sinks": 4, "recent": 60}, 63),
     ("tova", {"sinks": 8}, 7),

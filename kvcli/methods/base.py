@@ -147,11 +147,12 @@ class ScoredMethod(Method):
     def protected(self, view: LayerView, budget: int, count: int) -> torch.Tensor:
         """Boolean ``[T]``: the sinks, the recent window and the reader's question, kept whatever they score.
 
-        The question (:attr:`LayerView.question`) is what the answer is written from, so it stays even
-        where the method's window is shorter (PyramidKV's 8); it never takes more than ``count`` leaves
-        beside the sinks.
+        Beyond the papers: the question (:attr:`LayerView.question`) is what the answer is written from,
+        so it stays where the method's window is shorter (PyramidKV's 8), up to half of what the layer
+        keeps beside its sinks, so that a small top layer still has room for what the question asks
+        about (measured in docs/methods.md).
         """
-        question = min(view.question, max(count - self.sinks, 0))
+        question = min(view.question, max(count - self.sinks, 0) // 2)
         recent = max(self.kept_recent(view, budget), question)
         return recent_and_sinks(view.length, self.sinks, recent, view.layer.device)
 

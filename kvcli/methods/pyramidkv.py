@@ -17,7 +17,11 @@ largest fractional parts, ties to the lower layer): the rounded budgets still su
 ``l`` then holds ``sinks + recent + k^l`` tokens, so the budgets average exactly ``budget``
 and every layer holds more than the window (``validate`` asks for ``S >= beta``, i.e. k^{m-1} >= 1).
 
-Selection (section 4.2.2) is SnapKV's, with the paper's alpha = 8 as the observation window.
+Selection (section 4.2.2) is SnapKV's, with the paper's alpha = 8 as the observation window. Two
+choices go beyond the paper, both measured in docs/methods.md: ``beta`` defaults to 5, not 20 (with
+20 the top layers of a 30-layer model keep 8 + 25 tokens at cache 512, too few to hold what a question
+asks about next to the question), and a reader's question is kept in every layer like the window
+(:meth:`ScoredMethod.protected`).
 """
 
 from __future__ import annotations
@@ -62,9 +66,12 @@ def pyramid_selected(selected_mean: int, num_layers: int, beta: float) -> list[i
 class PyramidKV(SnapKV):
     name = "pyramidkv"
     description = ("SnapKV selection (alpha = `window` = 8) under per-layer budgets decreasing "
-                   "arithmetically from bottom to top (`beta` sets the top layer), averaging --cache.")
+                   "arithmetically from bottom to top (`beta` sets the top layer; default 5, the paper's 20 "
+                   "in the pyramidkv-paper preset), averaging --cache.")
     window: int = param(8, "observation window alpha: the last queries that score the cache (paper: 8)")
-    beta: float = param(20.0, "pyramid shape: the top layer selects (cache - sinks - recent) / beta tokens")
+    beta: float = param(5.0, "pyramid shape: the top layer selects (cache - sinks - recent) / beta tokens "
+                        "(beyond the paper: its 20 leaves a 30-layer model's top layers 25 tokens at cache 512; "
+                        "the pyramidkv-paper preset keeps 20)")
 
     def validate(self, budget: int) -> None:
         super().validate(budget)
