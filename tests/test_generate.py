@@ -375,3 +375,61 @@ def test_one_shot_cap_follows_the_gpus_free_memory():
     assert one_shot_cap(gpu, free_bytes=4 * 2**30) == 9216
     assert one_shot_limit(gpu, 128, free_bytes=60 * 2**30) == 131072 - 128
     assert one_shot_cap(SimpleNamespace(device=torch.device("cpu"))) == ONE_SHOT_CAP["cpu"]
+
+
+# --- the question as the observation window ------------------------------------------------------------------
+class _SeeRecords:
+    """Wraps a method's compress to keep what each call's record held (queries in all, own, question part)."""
+
+    def __init__(self, method):
+        self.seen: list[tuple[int, int, bool, int]] = []
+        self.method = method
+        original = method.compress
+
+        def compress(view, budget):
+            record = view.record
+            self.seen.append((record.window, record.own_window, record.probe is not None, view.question))
+            return original(view, budget)
+
+        method.compress = compress
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "treekv"])
+def test_a_known_question_is_the_whole_observation_window(model, name):
+    """With a probe, its queries alone score (all of them, whatever the method's window: PyramidKV's is 8) and
+    the block records nothing of its own; with the question ending the block, its own last queries are the
+    window; without a question the method's window of the block's last queries decides."""
+    method = make_method(name)
+    spy = _SeeRecords(method)
+    engine = Engine(model, method, 32, block=16)
+    cache = engine.new_cache()
+    question = torch.tensor([ids_of(20, 3)])
+    engine.forward(cache, torch.tensor([ids_of(40, 1)]))  # no question: the method's own window
+    engine.forward(cache, torch.tensor([ids_of(16, 2)]), probe=question)
+    engine.forward(cache, torch.tensor([ids_of(30, 4)]), question=20)
+    own = min(method.score_window(40), 40)
+    assert spy.seen[0] == (own, own, False, 0)
+    assert all(seen == (20, 0, True, 0) for seen in spy.seen[2:4])  # probe: 20 queries, none of the block's
+    assert all(seen == (20, 20, True, 20) for seen in spy.seen[4:])  # the block's last 20 queries, the question
+    assert all(layer.record is None for layer in cache.layers) and not cache.question_scores
+
+
+def test_a_scored_method_keeps_the_question_up_to_half_its_room():
+    """SnapKV's window is 4 here, the question 10 tokens: all 10 stay whatever they score, while a layer that
+    keeps only 12 beside its sinks keeps 6 of them (half) and leaves the rest to the selection."""
+    from support import append_tokens, make_cache
+
+    from kvcli.cache import AttentionRecord, LayerView
+
+    method = make_method("snapkv", {"window": 4, "kernel": 1})
+    for budget, kept_question in ((40, 10), (12, 6)):
+        cache = make_cache(num_layers=1, kv_heads=1)
+        append_tokens(cache, 60)
+        layer = cache.layers[0]
+        probs = torch.zeros(1, 1, 60)
+        probs[..., :30] = torch.linspace(1.0, 0.5, 30)  # the early text outscores the question
+        layer.record = AttentionRecord(probs, 10, probs, own=10)
+        keep = method.compress(LayerView(0, 1, layer, 60, layer.record, question=10), budget)
+        kept = set(keep[0].tolist())
+        assert len(kept) == budget
+        assert {t for t in range(50, 60) if t in kept} == set(range(60 - kept_question, 60))
