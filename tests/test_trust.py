@@ -547,8 +547,12 @@ def test_ctrl_c_while_waiting_on_a_fifo_is_quiet(tiny_model_dir, tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # A suite started as a background job of a non-interactive shell inherits SIGINT ignored, and an ignored
+    # signal stays ignored across exec: Python then installs no KeyboardInterrupt handler and the Ctrl-C
+    # below would do nothing. The child gets the disposition of a terminal's foreground job instead.
     victim = subprocess.Popen([sys.executable, "-m", "kvcli", *map(str, ppl(tiny_model_dir, fifo))],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wchan = Path(f"/proc/{victim.pid}/wchan")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and victim.poll() is None:  # until it blocks opening the FIFO
