@@ -39,9 +39,11 @@ class SnapKV(ScoredMethod):
     # (the question first) or a re-selection by one query (the later digits of a number).
     keeps_answer = True
     description = ("Keep the tokens the last `window` queries attend to most (pooled over `kernel` "
-                   "neighbours, per KV head) plus the window itself.")
+                   "neighbours, per KV head) plus the window itself. Reading with a question (ask): the "
+                   "question's queries are the window and the question is kept (beyond the paper).")
     window: int = param(32, "observation window: how many of a block's last queries score the cache")
-    kernel: int = param(15, "pooling width along the sequence (odd; 1 = no pooling; the paper's code uses 7)")
+    kernel: int = param(15, "pooling width along the sequence (odd; 1 = no pooling; SnapKV's code and kvpress "
+                            "pool 5 with avg, KVCache-Factory 7 with max)")
     pooling: str = param("max", "pooling of the scores: max or avg")
     sinks: int = param(0, "initial tokens always kept (the paper keeps none)")
     recent: int | None = param(None, "most recent tokens always kept (default: the window)")
