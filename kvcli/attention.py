@@ -206,16 +206,11 @@ def kvcli_attention(
                                         sinks=kwargs.get("s_aux"))
     if probs is not None:
         window = min(window, q_len)
-        question = cache.question_scores
-        if cache.probing:  # a probe's queries see the stored keys and their own, which are not kept
-            probe = probs[..., : layer.get_seq_length()]
-            if layer.record is None:  # the question alone scores (the block recorded nothing)
-                layer.record = AttentionRecord(probe, window, probe, own=0)
-            else:  # the probe's queries join the block's own window
-                layer.record = AttentionRecord(layer.record.probs + probe, layer.record.window + window, probe,
-                                               own=layer.record.own_window)
+        if cache.probing:  # the question alone scores: the block it follows recorded nothing (Engine.forward)
+            probe = probs[..., : layer.get_seq_length()]  # its own keys are not kept
+            layer.record = AttentionRecord(probe, window, probe, own=0)
         else:
-            layer.record = AttentionRecord(probs, window, probs if question else None)
+            layer.record = AttentionRecord(probs, window, probs if cache.question_scores else None)
     return output.transpose(1, 2).contiguous(), None
 
 

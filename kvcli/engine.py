@@ -201,7 +201,7 @@ class Engine:
         compressing = compress and bool(self.budgets) and bool(self.architecture.budgeted)
         compressing = compressing and not (decoding and self.method.keeps_answer)
         scores = self.method.score_window(n) if compressing else 0
-        question = min(question, n) if scores else 0
+        question = min(question, n) if scores and probe is None else 0  # with a probe, the probe is the question
         asks = scores > 0 and (probe is not None or question > 0)
         cache.question_scores = asks
         cache.score_window = question if asks else scores

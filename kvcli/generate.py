@@ -367,7 +367,7 @@ class Reader:
         result.prompt_tokens = total
         result.document_tokens = total - len(parts.prefix) - len(suffix)
         # The question ends this block: its own queries score the last compression, as the probe scored
-        # every compression before it (with --no-probe the block's own window decides, as before).
+        # every compression before it (with --no-probe the block's own window decides).
         hidden = self._forward(cache, pending + suffix, None, result, last_only=True,
                                question=len(suffix) if probe_ids is not None else 0)
         self._progress(total, cache, started)
