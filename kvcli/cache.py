@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcli.architecture import describe
+from kvcli.quant import KVQuant, QuantizedTokens, gather_tokens, nbytes, stored
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -108,8 +109,8 @@ class CompressedLayer(CacheLayerMixin):
         if batch != 1:
             raise ValueError("kvcli streams one sequence at a time (batch size 1)")
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_empty((1, heads, 0, dim))
-        self.values = value_states.new_empty((1, heads, 0, value_states.shape[-1]))
+        self.keys = self.new_store(key_states.new_empty((1, heads, 0, dim)), keys=True)
+        self.values = self.new_store(value_states.new_empty((1, heads, 0, value_states.shape[-1])), keys=False)
         self.entry_pos = torch.empty((heads, 0), dtype=torch.long, device=self.device)
         self.token_idx = torch.empty((heads, 0), dtype=torch.long, device=self.device)
         self.is_initialized = True
@@ -120,7 +121,7 @@ class CompressedLayer(CacheLayerMixin):
         owner = self.owner
         cached = self.current_keys(owner.block_start)
         keys = torch.cat((cached, key_states), dim=-2)
-        values = torch.cat((self.values, value_states), dim=-2)
+        values = torch.cat((stored(self.values), value_states), dim=-2)
         if owner.probing:  # query-aware scoring: attend, record, but keep nothing
             return keys, values
         new = key_states.shape[-2]
@@ -131,8 +132,12 @@ class CompressedLayer(CacheLayerMixin):
             offsets = owner.subset.to(self.device)
         positions = owner.block_start + offsets
         tokens = owner.stream_start + offsets
-        self.keys = torch.cat((self.keys, key_states), dim=-2)
-        self.values = values
+        if isinstance(self.keys, QuantizedTokens):
+            self.keys.append(key_states)
+            self.values.append(value_states)
+        else:
+            self.keys = torch.cat((self.keys, key_states), dim=-2)
+            self.values = values
         self.entry_pos = torch.cat((self.entry_pos, positions.expand(heads, new)), dim=-1)
         self.token_idx = torch.cat((self.token_idx, tokens.expand(heads, new)), dim=-1)
         return keys, values
@@ -155,6 +160,14 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = False
 
     # --- kvcli ---------------------------------------------------------------------------------
+    def new_store(self, empty: torch.Tensor, keys: bool) -> torch.Tensor | QuantizedTokens:
+        """Where this layer keeps keys (``keys``) or values: ``empty`` itself, or a packed store when the
+        cache is quantized (:attr:`KVCache.kv_quant`); keys get per-channel scales shared by RoPE pairs."""
+        quant = self.owner.kv_quant
+        if quant is None:
+            return empty
+        return QuantizedTokens(empty, quant, rot_dim=2 * self.inv_freq.shape[0] if keys else None)
+
     def current_positions(self, block_start: int) -> torch.Tensor:
         """Positions the cached tokens hold now: consecutive, ending right before ``block_start``."""
         length = self.get_seq_length()
@@ -163,10 +176,11 @@ class CompressedLayer(CacheLayerMixin):
     def current_keys(self, block_start: int) -> torch.Tensor:
         """Cached keys rotated to their current positions (a no-op until an eviction moves them)."""
         length = self.get_seq_length()
+        keys = stored(self.keys)  # dequantized when the cache is quantized
         if length == 0 or self.owner.keep_positions or (not self.moved and block_start == length):
-            return self.keys  # every key still sits where it entered
+            return keys  # every key still sits where it entered
         delta = self.current_positions(block_start)[None, :] - self.entry_pos
-        return rotate_keys(self.keys, delta, self.inv_freq)
+        return rotate_keys(keys, delta, self.inv_freq)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -184,19 +198,16 @@ class CompressedLayer(CacheLayerMixin):
 
     def keep(self, indices: torch.Tensor) -> None:
         """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending), dropping the rest."""
-        heads, count = indices.shape
-        gather = indices[None, :, :, None]
-        self.keys = self.keys.gather(2, gather.expand(1, heads, count, self.keys.shape[-1]))
-        self.values = self.values.gather(2, gather.expand(1, heads, count, self.values.shape[-1]))
+        self.keys = gather_tokens(self.keys, indices)
+        self.values = gather_tokens(self.values, indices)
         self.entry_pos = self.entry_pos.gather(1, indices)
         self.token_idx = self.token_idx.gather(1, indices)
         self.state = {name: value.gather(1, indices) for name, value in self.state.items()}
         self.moved = True
 
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        """Bytes of keys and values held (packed, with scales and zero points, when quantized)."""
+        return nbytes(self.keys) + nbytes(self.values)
 
 
 class WindowLayer(CompressedLayer):
@@ -244,9 +255,19 @@ class KVCache(Cache):
         self.question_scores = False
         self.probing = False
         self.keep_positions = False  # True: no re-assignment, a token's position is its index in the stream
+        #: Quantized keys and values (``--kv-bits`` 8, 4, 2; see :mod:`kvcli.quant`), or None: the model's
+        #: precision. Set before the first forward (:meth:`quantize`).
+        self.kv_quant: KVQuant | None = None
         #: In a nested forward (PyramidInfer, see :meth:`kvcli.engine.Engine.forward`), the offsets in the
         #: block ``[n_l]`` (ascending) of the tokens the current layer receives; None: every token of the block.
         self.subset: torch.Tensor | None = None
+
+    def quantize(self, bits: int) -> KVCache:
+        """Store keys and values at ``bits`` bits from now on (16: the model's precision); before any token."""
+        if any(layer.is_initialized for layer in self.layers):
+            raise RuntimeError("a cache is quantized before it holds any token")
+        self.kv_quant = None if bits == 16 else KVQuant(bits)
+        return self
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:
         """The layer object of decoder layer ``layer_idx``: a subclass may store keys differently (PoD)."""

@@ -114,14 +114,19 @@ def default_block(device: torch.device | str) -> int:
     return DEFAULT_BLOCK.get(torch.device(device).type, DEFAULT_BLOCK["cpu"])
 
 
-def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype: torch.dtype) -> int:
+def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype: torch.dtype,
+                     kv_bits: int = 16) -> int:
     """The budget (tokens per layer) that gives ``method`` a cache of at most ``nbytes`` bytes on ``model``.
 
     A plain cache of B tokens per layer costs B times :func:`kv_bytes_per_token`; a method that stores
     fewer keys per token turns those bytes into more tokens (:meth:`Method.equal_bytes_budget`).
+    At ``kv_bits`` below 16 a token costs its packed bytes, scales and zero points, and the full-precision
+    residual is paid for (:func:`kvcli.quant.tokens_for_bytes`).
     """
+    from kvcli.quant import tokens_for_bytes
+
     per_token = kv_bytes_per_token(model, dtype)
-    plain = nbytes // per_token
+    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype)
     if plain < 1:
         raise UsageError(f"{nbytes:,} bytes cannot hold one token per layer ({per_token:,} bytes per token)")
     return method.equal_bytes_budget(plain, model.config)
@@ -135,7 +140,9 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, method: Method, budget: int | None, block: int | None = None,
-                 warn: Callable[[str], None] | None = None):
+                 warn: Callable[[str], None] | None = None, kv_bits: int = 16):
+        from kvcli.quant import check_kv_bits
+
         self.device = next(model.parameters()).device
         if block is None:
             block = default_block(self.device)
@@ -144,6 +151,7 @@ class Engine:
         self.model = model
         self.method = method
         self.block = block
+        self.kv_bits = check_kv_bits(kv_bits, "kv_bits")  # bits per cached key and value element (kvcli.quant)
         self.budget = check_budget(method, budget)
         self.architecture = describe(model)  # refuses a model whose positions cannot be re-assigned
         self.num_layers = model.config.num_hidden_layers
@@ -170,7 +178,7 @@ class Engine:
         return budgets
 
     def new_cache(self) -> KVCache:
-        return self.method.new_cache(self.model)
+        return self.method.new_cache(self.model).quantize(self.kv_bits)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,

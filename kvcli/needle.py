@@ -172,7 +172,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
              budget: int = 1024, block: int = 256, seed: int = 0, max_new_tokens: int = 12,
              one_shot: bool | None = None, probe: bool = True, options: dict[str, dict] | None = None,
              answer_prefix: str = "", fixed: bool = False, warn: Callable[[str], None] | None = None,
-             on_trial: Callable[[Trial, int, int], None] | None = None) -> NeedleResult:
+             on_trial: Callable[[Trial, int, int], None] | None = None, kv_bits: int = 16) -> NeedleResult:
     """Run the grid on ``model``; ``tokens`` is the book (document ids without special tokens).
 
     Every trial is read and answered as ``kvcli ask DOC QUESTION`` does with these options: the
@@ -206,13 +206,13 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
                                     "questions": [QUESTION] if fixed else list(QUESTIONS),
                                     "needles": [NEEDLE] if fixed else list(NEEDLES),
                                     "answer_prefix": answer_prefix, "max_new_tokens": max_new_tokens,
-                                    "probe": probe, "params": params})
+                                    "probe": probe, "params": params, "kv_bits": kv_bits})
     total = len(lengths) * len(depths) * trials * len(methods)
     done = 0
     for stack in haystacks(tokenizer, tokens, lengths, depths, trials, seed, fixed=fixed):
         parts = build_prompt(tokenizer, question_instruction(stack.question, answer_prefix))
         for name in methods:
-            engine = Engine(model, built[name], budget, block=block, warn=warn)
+            engine = Engine(model, built[name], budget, block=block, warn=warn, kv_bits=kv_bits)
             reader = Reader(engine, tokenizer, stop_ids=stop_ids)
             started = time.perf_counter()
             gen = reader.run(parts, [stack.doc], max_new_tokens, one_shot=one_shot, probe=probe)

@@ -170,7 +170,7 @@ def test_generation_is_greedy_and_stops_at_max_gen_toks(tiny_model_dir):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    ({"kv_bits": 8}, "kv_bits=8"),
+    ({"kv_bits": 3}, "kv_bits=3"),
     ({"method": "nope"}, "unknown method 'nope'"),
     ({"method": "streamingllm", "sinkz": 4}, "has no parameter 'sinkz'"),
     ({"block": "x"}, "block must be a number of tokens or auto"),
@@ -185,11 +185,11 @@ def test_bad_model_args_are_one_clear_error(tiny_model_dir, args, message):
 
 def test_python_m_kvcli_lm_eval_is_lm_evals_cli_and_a_mistake_is_one_line(tmp_path):
     write_task(tmp_path, "rolling", ROLLING, [{"text": "x"}])
-    result = subprocess.run([sys.executable, "-m", "kvcli.lm_eval", "--model", "kvcli", "--model_args", "kv_bits=4",
+    result = subprocess.run([sys.executable, "-m", "kvcli.lm_eval", "--model", "kvcli", "--model_args", "kv_bits=3",
                              "--tasks", "kvcli_test_rolling", "--include_path", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("kvcli: error: kv_bits=4")
+    assert result.stderr.strip().splitlines()[-1].startswith("kvcli: error: kv_bits=3")
     assert "Traceback" not in result.stderr
 
 

@@ -69,6 +69,7 @@ class RunSpec:
     method: str
     budget: int | None
     options: tuple[tuple[str, str], ...] = ()
+    kv_bits: int = 16  # bits per cached key and value element (kvcli.quant)
 
     def build(self) -> Method:
         method = make_method(self.method, dict(self.options))
@@ -78,12 +79,14 @@ class RunSpec:
 
     @property
     def label(self) -> str:
-        return self.method if self.budget is None else f"{self.method} · cache {self.budget:,}"
+        bits = "" if self.kv_bits == 16 else f" · {self.kv_bits}-bit"
+        return (self.method if self.budget is None else f"{self.method} · cache {self.budget:,}") + bits
 
 
 def plan_grid(methods: Sequence[str], budgets: Sequence[int],
-              options: dict[str, dict[str, str]] | None = None) -> list[RunSpec]:
-    """Every method at every budget, in the order given; an unbounded method (``full``) once, without one.
+              options: dict[str, dict[str, str]] | None = None, kv_bits: Sequence[int] = (16,)) -> list[RunSpec]:
+    """Every method at every budget and every ``kv_bits``, in the order given; an unbounded method
+    (``full``) once per ``kv_bits``, without a budget.
 
     Everything is validated here (names, budgets, options, budgets a method cannot hold), so that a
     typo fails in a second rather than after the model has loaded and half the grid has run.
@@ -103,9 +106,10 @@ def plan_grid(methods: Sequence[str], budgets: Sequence[int],
         opts = tuple(sorted((options or {}).get(name, {}).items()))
         cells = [None] if METHODS[name].unbounded else list(dict.fromkeys(budgets))
         for budget in cells:
-            spec = RunSpec(name, budget, opts)
-            spec.build()
-            specs.append(spec)
+            for bits in dict.fromkeys(kv_bits):
+                spec = RunSpec(name, budget, opts, bits)
+                spec.build()
+                specs.append(spec)
     return specs
 
 
@@ -131,7 +135,7 @@ def measure(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: int,
     ``/proc/self/clear_refs``), so it is each run's own. On CPU it is still the whole process: model
     weights and whatever the allocator kept from earlier runs included.
     """
-    engine = Engine(loaded.model, spec.build(), spec.budget, block=block, warn=warn)
+    engine = Engine(loaded.model, spec.build(), spec.budget, block=block, warn=warn, kv_bits=spec.kv_bits)
     gc.collect()
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
@@ -175,6 +179,7 @@ def run_record(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: i
     params = spec.build().settings()
     record = PerplexityRun(loaded, spec.method, params, spec.budget, block, "stream", totals, [], peak).as_dict()
     record.pop("interrupted")
+    record["kv_bits"] = spec.kv_bits
     record["source"] = stream.source
     record["curve"] = [[stats.position, round(stats.nll, 5) if math.isfinite(stats.nll) else None]
                        for stats in totals.blocks]
@@ -222,7 +227,7 @@ def run_grid(
     head = metadata(common, stream)
     finished = {run_key(run): run for run in results["runs"]}
     keys = [run_key({**common, "method": spec.method, "cache": spec.budget,
-                     "params": spec.build().settings()}) for spec in specs]
+                     "params": spec.build().settings(), "kv_bits": spec.kv_bits}) for spec in specs]
     skipped = [finished[key] for key in keys if key in finished]
     pending = [spec for spec, key in zip(specs, keys, strict=True) if key not in finished]
     if skipped and on_skip:

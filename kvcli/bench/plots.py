@@ -79,7 +79,8 @@ def _series(runs: list[dict]) -> tuple[dict[str, list[dict]], list[str]]:
     lines: dict[str, list[dict]] = {}
     for run in runs:
         parts = [run["method"], *(_short(f, run.get(f)) for f in varying),
-                 *(f"{k}={run['params'].get(k)}" for k in varying_params[run["method"]])]
+                 *(f"{k}={run['params'].get(k)}" for k in varying_params[run["method"]]),
+                 *([f"{run['kv_bits']}-bit"] if run.get("kv_bits", 16) != 16 else [])]
         lines.setdefault(" · ".join(parts), []).append(run)
     common = [_short(f, runs[0].get(f)) for f in ("model", "tokens", "source", "block") if f not in varying]
     return lines, common

@@ -21,12 +21,14 @@ if TYPE_CHECKING:
 RESULTS_FILE = "results.json"
 # What makes two runs the same measurement: a rerun skips a planned run whose values of these match.
 SETTING_FIELDS = ("model", "source", "tokens", "block", "dtype", "device")
-KEY_FIELDS = (*SETTING_FIELDS, "method", "cache", "params")
+KEY_FIELDS = (*SETTING_FIELDS, "method", "cache", "params", "kv_bits")
+#: A run recorded before a field existed measured its default (``kv_bits``: the model's 16 bits).
+KEY_DEFAULTS = {"kv_bits": 16}
 
 
 def run_key(run: dict) -> str:
     """The identity of a measurement: equal keys mean a rerun would measure the same thing again."""
-    return json.dumps([run.get(name) for name in KEY_FIELDS], sort_keys=True)
+    return json.dumps([run.get(name, KEY_DEFAULTS.get(name)) for name in KEY_FIELDS], sort_keys=True)
 
 
 def load_results(out_dir: Path) -> dict:

@@ -20,6 +20,7 @@ from kvcli.cli.options import (
     check_cache,
     method_options,
     parse_block,
+    parse_kv_bits,
     resolve_block,
     split_list,
     with_setup,
@@ -38,6 +39,8 @@ def bench(
                                             "if it is shorter).")] = 8192,
     out: Annotated[Path, typer.Option("--out", help="Folder for results.json and the plots; a rerun into the "
                                       "same folder skips the runs it already has.")] = Path("bench"),
+    kv_bits: Annotated[str, typer.Option("--kv-bits", help="Comma-separated bits per cached key and value element "
+                                         "(16, 8, 4, 2): every run at each.")] = "16",
     block: BlockOpt = "auto",
     option: MethodsOptionOpt = None,
     plot: Annotated[bool, typer.Option("--plots/--no-plots", "--plot/--no-plot", help="Draw ppl_vs_cache.png and "
@@ -63,7 +66,8 @@ def bench(
         check_cache(budget)
     check_at_least(1, max_tokens=max_tokens)
     block_size = parse_block(block)
-    specs = plan_grid(method_list, budgets, method_options(list(dict.fromkeys(method_list)), option))
+    bits = [parse_kv_bits(item) for item in split_list(kv_bits, str, "--kv-bits")]
+    specs = plan_grid(method_list, budgets, method_options(list(dict.fromkeys(method_list)), option), bits)
     check_out_dir(out)
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
@@ -81,6 +85,7 @@ def bench(
 
     def on_run(run: dict, index: int, total: int) -> None:
         label = run["method"] if run["cache"] is None else f"{run['method']} · cache {run['cache']:,}"
+        label += f" · {run['kv_bits']}-bit" if run.get("kv_bits", 16) != 16 else ""
         setup.note(f"[{index + 1}/{total}] {label}: ppl {run['ppl']:.3f} · {run['tokens_per_second']:,.0f} "
                    f"tokens/s · {run['seconds']:.1f} s")
 

@@ -10,12 +10,14 @@ import typer
 from kvcli.cli.options import (
     BlockOpt,
     CacheOpt,
+    KvBitsOpt,
     MethodsOptionOpt,
     Setup,
     check_at_least,
     check_cache,
     method_options,
     parse_block,
+    parse_kv_bits,
     resolve_block,
     split_list,
     with_setup,
@@ -45,6 +47,7 @@ def needle(
                                                "own excerpt and key); default 4: 20 per method and length over "
                                                "the 5 default depths.", show_default=False)] = None,
     cache: CacheOpt = 1024,
+    kv_bits: KvBitsOpt = "16",
     block: BlockOpt = "auto",
     option: MethodsOptionOpt = None,
     seed: SeedOpt = 0,
@@ -85,6 +88,7 @@ def needle(
     trials = DEFAULT_TRIALS if trials is None else trials  # the library's default, imported only when run
     check_at_least(1, trials=trials, max_new_tokens=max_new_tokens)
     block_size = parse_block(block)
+    bits = parse_kv_bits(kv_bits)
     check_cache(cache)
     per_method = method_options(method_list, option)
     if plots:
@@ -102,7 +106,7 @@ def needle(
     result = run_grid(loaded.model, loaded.tokenizer, tokens, method_list, lengths=length_list, depths=depth_list,
                       trials=trials, budget=cache, block=block_size, seed=seed, max_new_tokens=max_new_tokens,
                       one_shot=one_shot, probe=probe, options=per_method, answer_prefix=answer_prefix, fixed=fixed,
-                      warn=setup.say, on_trial=on_trial)
+                      warn=setup.say, on_trial=on_trial, kv_bits=bits)
     if json_out:
         print_result(dumps({"model": loaded.name, **result.as_dict()}))
     else:

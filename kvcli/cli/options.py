@@ -47,6 +47,9 @@ OptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", help="Met
 MethodsOptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", help="Method parameter KEY=VALUE for "
                                                             "every listed method that has it, or METHOD.KEY=VALUE "
                                                             "for one (repeatable).")]
+KvBitsOpt = Annotated[str, typer.Option("--kv-bits", help="Bits per cached key and value element: 16 (the "
+                                        "model's precision), 8, 4 or 2 (packed; keys with per-channel scales, "
+                                        "values per token, the last 32 tokens at full precision).")]
 DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="Folder of .txt books for the pg19 source "
                                                  "when offline (or set KVCLI_DATA).")]
 RowsOpt = Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per document to this file as "
@@ -95,11 +98,11 @@ class Setup:
         return load_model(self.model, device=self.device, dtype=self.dtype, device_map=self.device_map,
                           load_in_4bit=self.load_in_4bit, load_in_8bit=self.load_in_8bit, warn=self.say)
 
-    def build_engine(self, loaded, method, budget: int | None, block: int | None):
-        """An engine for ``loaded`` whose warnings follow ``--quiet``."""
+    def build_engine(self, loaded, method, budget: int | None, block: int | None, kv_bits: int = 16):
+        """An engine for ``loaded`` whose warnings follow ``--quiet``, caching keys and values at ``kv_bits``."""
         from kvcli.engine import Engine
 
-        return Engine(loaded.model, method, budget, block=block, warn=self.say)
+        return Engine(loaded.model, method, budget, block=block, warn=self.say, kv_bits=kv_bits)
 
 
 def join_ranks(setup: Setup):
@@ -218,6 +221,18 @@ def parse_bytes(text: str, flag: str) -> int:
     if value < 1:
         raise UsageError(f"{flag} must be at least 1 byte, not {text!r}")
     return value
+
+
+def parse_kv_bits(text: str | int, flag: str = "--kv-bits") -> int:
+    """``--kv-bits``: 16, 8, 4 or 2; anything else is one line (checked before any model loads)."""
+    from kvcli.quant import check_kv_bits
+
+    try:
+        bits = int(str(text).strip())
+    except ValueError:
+        raise UsageError(f"{flag} must be 16, 8, 4 or 2 (bits per cached key and value element), not {text!r}") \
+            from None
+    return check_kv_bits(bits, flag)
 
 
 def check_at_least(minimum: int, **values: int | None) -> None:

@@ -12,6 +12,7 @@ from kvcli.cli.options import (
     BlockOpt,
     CacheOpt,
     DataDirOpt,
+    KvBitsOpt,
     MethodOpt,
     OptionOpt,
     RowsOpt,
@@ -21,17 +22,18 @@ from kvcli.cli.options import (
     join_ranks,
     parse_block,
     parse_bytes,
+    parse_kv_bits,
     parse_options,
     with_setup,
 )
 from kvcli.errors import BudgetError, UsageError
 
 
-def bytes_budget(method, loaded, nbytes: int, text: str) -> int:
-    """``--cache-bytes`` as the method's budget in tokens per layer on the loaded model, checked."""
+def bytes_budget(method, loaded, nbytes: int, text: str, kv_bits: int = 16) -> int:
+    """``--cache-bytes`` as the method's budget in tokens per layer on the loaded model at ``kv_bits``, checked."""
     from kvcli.engine import budget_for_bytes, check_budget
 
-    budget = budget_for_bytes(method, loaded.model, nbytes, loaded.dtype)
+    budget = budget_for_bytes(method, loaded.model, nbytes, loaded.dtype, kv_bits)
     try:
         check_budget(method, budget)
     except BudgetError as exc:
@@ -48,6 +50,7 @@ def ppl(
     cache: CacheOpt = 1024,
     block: BlockOpt = "auto",
     option: OptionOpt = None,
+    kv_bits: KvBitsOpt = "16",
     cache_bytes: Annotated[str | None, typer.Option("--cache-bytes", help="KV budget in bytes (e.g. 45MiB), "
                                                     "turned into tokens per layer for this method and model: "
                                                     "compares methods at equal memory (PoD with a selection "
@@ -91,6 +94,9 @@ def ppl(
 
     check_at_least(1, max_tokens=max_tokens)
     block_size = parse_block(block)
+    bits = parse_kv_bits(kv_bits)
+    if bits != 16 and checkpoint is not None:
+        raise UsageError("--checkpoint saves a 16-bit cache only: leave out --kv-bits or --checkpoint")
     if (context is None) != (stride is None):
         raise UsageError("--context and --stride go together")
     if context is not None and not 1 <= stride <= context:
@@ -155,8 +161,8 @@ def ppl(
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
     if nbytes is not None:
-        cache = bytes_budget(method_obj, loaded, nbytes, cache_bytes)
-    engine = setup.build_engine(loaded, method_obj, cache, block_size)
+        cache = bytes_budget(method_obj, loaded, nbytes, cache_bytes, bits)
+    engine = setup.build_engine(loaded, method_obj, cache, block_size, kv_bits=bits)
     saver = None
     if checkpoint is not None:
         saver = Checkpointer(checkpoint, identity(loaded, engine), every_tokens, every_seconds, resume=resume)
@@ -238,6 +244,7 @@ def ppl(
     protocol = "sliding" if context is not None else ("stream" if stream else "documents")
     result = PerplexityRun(loaded, method, method_obj.settings(), engine.budget, engine.block, protocol, totals,
                            doc_rows, peak, job).as_dict()
+    result["kv_bits"] = bits
     if meter is not None:
         result.update(meter.finish(totals.interrupted).as_dict())
     if writer is not None:

@@ -16,6 +16,7 @@ import typer
 from kvcli.cli.options import (
     BlockOpt,
     CacheOpt,
+    KvBitsOpt,
     MethodOpt,
     OptionOpt,
     ResumeOpt,
@@ -28,6 +29,7 @@ from kvcli.cli.options import (
     keyword,
     options_bundle,
     parse_block,
+    parse_kv_bits,
     parse_options,
     with_setup,
 )
@@ -77,15 +79,16 @@ class ReadOptions:
     each: bool = False
     rows: Path | None = None
     resume: bool = False
+    kv_bits: str | int = 16
 
 
 def with_reading(max_new_tokens: int):
     """The options ``summarize`` and ``ask`` share, handed to the command as one :class:`ReadOptions` (``read``)."""
 
     def build(method, cache, block, option, max_new_tokens, answer_prefix, temperature, seed, json_out, preset,
-              one_shot, probe, stop, each, rows, resume) -> ReadOptions:
+              one_shot, probe, stop, each, rows, resume, kv_bits) -> ReadOptions:
         return ReadOptions(method, cache, block, parse_options(option), max_new_tokens, answer_prefix, temperature,
-                           seed, json_out, preset or [], one_shot, probe, stop or [], each, rows, resume)
+                           seed, json_out, preset or [], one_shot, probe, stop or [], each, rows, resume, kv_bits)
 
     return options_bundle("read", build, [
         keyword("method", MethodOpt, "treekv"), keyword("cache", CacheOpt, 1024), keyword("block", BlockOpt, "auto"),
@@ -94,6 +97,7 @@ def with_reading(max_new_tokens: int):
         keyword("seed", SeedOpt, 0), keyword("json_out", JsonOpt, False), keyword("preset", PresetOpt, None),
         keyword("one_shot", OneShotOpt, None), keyword("probe", ProbeOpt, True), keyword("stop", StopOpt, None),
         keyword("each", EachOpt, False), keyword("rows", RowsOpt, None), keyword("resume", ResumeOpt, False),
+        keyword("kv_bits", KvBitsOpt, "16"),
     ])
 
 
@@ -133,6 +137,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     setup, read = apply_presets(ctx, read.presets, setup, read)
     check_at_least(1, max_new_tokens=read.max_new_tokens)
     block_size = parse_block(read.block)
+    bits = parse_kv_bits(read.kv_bits)
     if read.temperature < 0:
         raise UsageError(f"--temperature must not be negative, not {read.temperature}")
     method_obj = build_method(read.method, read.options, read.cache)
@@ -152,7 +157,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     documents = setup.documents(source)
     loaded = setup.load()
     tokenizer = loaded.tokenizer
-    engine = setup.build_engine(loaded, method_obj, read.cache, block_size)
+    engine = setup.build_engine(loaded, method_obj, read.cache, block_size, kv_bits=bits)
     parts = build_prompt(tokenizer, instruction)
     reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
                     temperature=read.temperature, seed=read.seed)
@@ -184,6 +189,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
             "generated_tokens": gen.generated_tokens,
             "max_cache_tokens": gen.max_cache_tokens,
             "kv_cache_bytes": gen.kv_cache_bytes,
+            "kv_bits": bits,
             "peak_memory_bytes": peak,
             "seconds": gen.seconds,
             "read_seconds": gen.read_seconds,
@@ -224,7 +230,8 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
         return {"tokens": gen.document_tokens, "text": (primer + gen.text).strip(), "prompt_tokens": gen.prompt_tokens,
                 "generated_tokens": gen.generated_tokens, "finish_reason": gen.finish_reason,
                 "one_shot": gen.one_shot, "max_cache_tokens": gen.max_cache_tokens,
-                "kv_cache_bytes": gen.kv_cache_bytes, "seconds": gen.seconds}, gen.finish_reason != "interrupted"
+                "kv_cache_bytes": gen.kv_cache_bytes, "kv_bits": reader.engine.kv_bits,
+                "seconds": gen.seconds}, gen.finish_reason != "interrupted"
 
     def show(row: dict) -> None:
         print_result(dumps(row))

@@ -30,7 +30,8 @@ def ppl_summary(result: dict) -> str:
     lines.append(f"perplexity {result['ppl']:.3f}  (nll {result['nll']:.4f} nats/token, "
                  f"{result['bits_per_byte']:.4f} bits/byte) over {result['tokens']:,} tokens")
     cache = "unbounded" if result["cache"] is None else f"{result['cache']:,} tokens/layer"
-    lines.append(f"{result['model']} · {result['method']} · cache {cache} · block {result['block']} · "
+    bits = f" · {result['kv_bits']}-bit KV" if result.get("kv_bits", 16) != 16 else ""
+    lines.append(f"{result['model']} · {result['method']} · cache {cache}{bits} · block {result['block']} · "
                  f"{result['protocol']}")
     full = result["full_kv_cache_bytes"]
     share = f"{result['kv_cache_bytes'] / full:.1%} of " if full else ""
@@ -180,7 +181,8 @@ def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, mar
     ``markdown`` draws it as a Markdown table under its caption, ready to paste into docs."""
     buffer = io.StringIO()
     console = _console(buffer, width=160)  # the KL columns do not fit in 120 without wrapping headers
-    full = next((run for run in runs if run["cache"] is None), None)
+    full = next((run for run in runs if run["cache"] is None and run.get("kv_bits", 16) == 16), None)
+    bits = any(run.get("kv_bits", 16) != 16 for run in runs)
     source = Path(settings["source"]).name or settings["source"]
     uncompressed = runs[0]["full_kv_cache_bytes"] if runs else 0
     title = "kvcli bench" + (" (interrupted: finished runs only)" if interrupted else "")
@@ -193,6 +195,8 @@ def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, mar
         table = Table(title=title, caption=caption)
     table.add_column("method")
     table.add_column("cache", justify="right")
+    if bits:
+        table.add_column("bits", justify="right")
     table.add_column("perplexity", justify="right")
     if full is not None:
         table.add_column("vs full", justify="right")
@@ -206,7 +210,9 @@ def bench_table(runs: list[dict], settings: dict, interrupted: bool = False, mar
     table.add_column("KV cache", justify="right")
     table.add_column("peak memory", justify="right")
     for run in runs:
-        cells = [run["method"], "-" if run["cache"] is None else f"{run['cache']:,}", f"{run['ppl']:.3f}"]
+        cells = [run["method"], "-" if run["cache"] is None else f"{run['cache']:,}"]
+        cells += [str(run.get("kv_bits", 16))] if bits else []
+        cells.append(f"{run['ppl']:.3f}")
         if full is not None:
             cells.append("-" if run is full else f"{run['ppl'] / full['ppl'] - 1:+.1%}")
         share = run["kv_cache_bytes"] / run["full_kv_cache_bytes"] if run["full_kv_cache_bytes"] else float("nan")

@@ -43,9 +43,8 @@ from kvcli.models import DEFAULT_MODEL, load_model
 from kvcli.report import warn
 from kvcli.text import leading_special_tokens
 
-#: Bits per key and value element of the cache: kvcli keeps them in the model's own precision. A quantized
-#: cache (``kv_bits`` 8 or 4) is not implemented, and a run must never report numbers for bits it did not use.
-KV_BITS = (16,)
+#: Bits per key and value element of the cache: 16 (the model's precision), 8, 4 or 2 (kvcli.quant).
+KV_BITS = (16, 8, 4, 2)
 #: Keys of ``gen_kwargs`` that generation honours; lm-eval tasks may pass others (top_p), which are ignored.
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
 
@@ -103,7 +102,7 @@ class KvcliLM(TemplateLM):
     """lm-eval's view of a kvcli engine: a model, a compression method and a budget, from ``--model_args``.
 
     ``model_args`` keys: ``model`` (or lm-eval's ``pretrained``; any model ``kvcli ppl --model`` takes),
-    ``method``, ``cache`` (tokens per layer), ``block``, ``kv_bits`` (16 only), ``device``, ``dtype``,
+    ``method``, ``cache`` (tokens per layer), ``block``, ``kv_bits`` (16, 8, 4 or 2), ``device``, ``dtype``,
     ``one_shot`` (how a context is read: auto, true, false), ``max_gen_toks``, ``seed``; every other
     key is a parameter of the method (``sinks=8``), as ``kvcli ppl -o sinks=8``.
     """
@@ -115,9 +114,9 @@ class KvcliLM(TemplateLM):
                  max_batch_size: int | None = None, **options) -> None:
         super().__init__()
         # Everything the user typed is checked before the model loads (seconds to minutes).
-        if _whole("kv_bits", kv_bits, 1) not in KV_BITS:
-            raise UsageError(f"kv_bits={kv_bits}: kvcli keeps the cache in the model's own 16-bit precision; "
-                             "a quantized cache is not implemented (use kv_bits=16)")
+        bits = _whole("kv_bits", kv_bits, 1)
+        if bits not in KV_BITS:
+            raise UsageError(f"kv_bits={kv_bits}: must be 16, 8, 4 or 2 (bits per cached key and value element)")
         budget = _whole("cache", cache, 1)
         block_size = _block(block)
         self.one_shot = _one_shot(one_shot)
@@ -126,7 +125,7 @@ class KvcliLM(TemplateLM):
         method_obj = make_method(str(method), options)
         loaded = load_model(str(pretrained or model), device=_device(device), dtype=str(dtype))
         try:
-            self.engine = Engine(loaded.model, method_obj, budget, block=block_size, warn=warn)
+            self.engine = Engine(loaded.model, method_obj, budget, block=block_size, warn=warn, kv_bits=bits)
         except BudgetError as exc:
             raise UsageError(exc.for_flag("cache")) from None
         self.loaded = loaded

@@ -31,6 +31,7 @@ from kvcli.attention import dense_attention
 from kvcli.cache import CompressedLayer, KVCache, rotate_keys
 from kvcli.errors import UnsupportedModelError
 from kvcli.pod.attention import SharingPlan, shared_attention
+from kvcli.quant import QuantizedTokens, gather_tokens, nbytes, stored
 
 
 class PodCache(KVCache):
@@ -75,7 +76,7 @@ class PodLayer(CompressedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         dim = key_states.shape[-1]
-        self.keys = key_states.new_empty((1, len(self.lead_heads), 0, dim))
+        self.keys = self.new_store(key_states.new_empty((1, len(self.lead_heads), 0, dim)), keys=True)
         self.near_keys = key_states.new_empty((1, len(self.other_heads), 0, dim))
         self.near_sinks = self.near_recent = 0
 
@@ -89,13 +90,18 @@ class PodLayer(CompressedLayer):
         self._cached = self.get_seq_length()
         positions = torch.arange(owner.block_start, owner.block_start + new, device=self.device)
         tokens = torch.arange(owner.stream_start, owner.stream_start + new, device=self.device)
-        self.keys = torch.cat((self.keys, key_states[:, self.lead_heads]), dim=-2)
+        if isinstance(self.values, QuantizedTokens):  # --kv-bits: values and lead keys packed, proximal keys not
+            self.keys.append(key_states[:, self.lead_heads])
+            self.values.append(value_states)
+        else:
+            self.keys = torch.cat((self.keys, key_states[:, self.lead_heads]), dim=-2)
+            self.values = torch.cat((self.values, value_states), dim=-2)
         self.near_keys = torch.cat((self.near_keys, key_states[:, self.other_heads]), dim=-2)
         self.near_recent += new
-        self.values = torch.cat((self.values, value_states), dim=-2)
         self.entry_pos = torch.cat((self.entry_pos, positions.expand(heads, new)), dim=-1)
         self.token_idx = torch.cat((self.token_idx, tokens.expand(heads, new)), dim=-1)
-        return key_states, self.values  # the attention reads the layer itself (see attend)
+        # The attention reads the layer itself (see attend).
+        return key_states, value_states if isinstance(self.values, QuantizedTokens) else self.values
 
     def get_seq_length(self) -> int:
         return 0 if self.values is None else self.values.shape[-2]
@@ -128,7 +134,7 @@ class PodLayer(CompressedLayer):
     def lead_keys(self, heads: list[int]) -> torch.Tensor:
         """This (lead) layer's keys of KV heads ``heads`` at every slot, rotated: ``[1, len(heads), T, D]``."""
         index = [self.lead_heads.index(h) for h in heads]
-        return self._rotated(self.keys[:, index], heads, None)
+        return self._rotated(stored(self.keys)[:, index], heads, None)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,6 +151,7 @@ class PodLayer(CompressedLayer):
         group = query.shape[1] // kv_heads
         length = self.get_seq_length()
         grouped = query.view(1, kv_heads, group, n, -1)
+        values = stored(self.values)  # dequantized once per call when quantized
         output = query.new_empty((1, kv_heads, group, n, self.values.shape[-1]))
         window_probs = None
         if window:
@@ -152,7 +159,7 @@ class PodLayer(CompressedLayer):
         if self.lead_heads:
             heads = self.lead_heads
             out, probs = dense_attention(grouped[:, heads].flatten(1, 2), self.lead_keys(heads),
-                                         self.values[:, heads], scaling, window)
+                                         values[:, heads], scaling, window)
             output[:, heads] = out.view(1, len(heads), group, n, -1)
             if window_probs is not None and probs is not None:
                 window_probs[heads] = probs
@@ -168,7 +175,7 @@ class PodLayer(CompressedLayer):
             own_keys = self._rotated(self.near_keys, heads, slots)[0]
             query_slots = torch.arange(length - n, length, device=query.device)
             out, probs, _ = shared_attention(grouped[0, heads], lead_query, own_keys, slots, lead_keys,
-                                             self.values[0, heads], query_slots, plan.sinks, plan.recent, scaling,
+                                             values[0, heads], query_slots, plan.sinks, plan.recent, scaling,
                                              plan.tau, window)
             output[0, heads] = out.to(output.dtype)
             if window_probs is not None and probs is not None:
@@ -210,10 +217,8 @@ class PodLayer(CompressedLayer):
             if (count < near.shape[0] or not bool((first == near[:self.near_sinks]).all())
                     or not bool((last == near[self.near_sinks:]).all())):
                 raise RuntimeError("PoD: a selection dropped a proximal token of a non-lead layer")
-        gather = indices[None, :, :, None]
-        self.values = self.values.gather(2, gather.expand(1, heads, count, self.values.shape[-1]))
-        lead = indices[self.lead_heads][None, :, :, None]
-        self.keys = self.keys.gather(2, lead.expand(1, len(self.lead_heads), count, self.keys.shape[-1]))
+        self.values = gather_tokens(self.values, indices)
+        self.keys = gather_tokens(self.keys, indices[self.lead_heads])
         self.entry_pos = self.entry_pos.gather(1, indices)
         self.token_idx = self.token_idx.gather(1, indices)
         self.state = {name: value.gather(1, indices) for name, value in self.state.items()}
@@ -222,4 +227,4 @@ class PodLayer(CompressedLayer):
     def nbytes(self) -> int:
         if self.values is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.near_keys, self.values))
+        return sum(nbytes(t) for t in (self.keys, self.near_keys, self.values))

@@ -1,0 +1,178 @@
+"""The quantized KV cache (``--kv-bits``): packing, rounding error, eviction, bytes, and the CLI's checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvcli.engine import Engine, budget_for_bytes
+from kvcli.errors import UsageError
+from kvcli.methods import make_method
+from kvcli.quant import (
+    KVQuant,
+    QuantizedTokens,
+    cache_bytes,
+    check_kv_bits,
+    dequantize,
+    pack,
+    packed_width,
+    quantize,
+    tokens_for_bytes,
+    unpack,
+)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_pack_unpack_round_trip(bits):
+    q = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
+    packed = pack(q, bits)
+    assert packed.shape == (3, 5, 64 * bits // 8)  # two 4-bit or four 2-bit values per byte
+    assert torch.equal(unpack(packed, bits, 64), q)
+
+
+def test_pack_puts_the_first_value_in_the_low_bits():
+    assert pack(torch.tensor([[1, 2]], dtype=torch.uint8), 4).tolist() == [[0x21]]
+    assert pack(torch.tensor([[3, 0, 1, 2]], dtype=torch.uint8), 2).tolist() == [[0b10010011]]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_rounding_error_is_within_half_a_step(bits):
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 64) * torch.linspace(0.1, 10, 64)
+    packed, scale, zero = quantize(x, bits, 32)
+    assert scale.dtype == zero.dtype == torch.float16 and scale.shape == (2, 7, 2)
+    y = dequantize(packed, scale, zero, bits, 64, torch.float32)
+    step = scale.float().repeat_interleave(32, dim=-1)
+    assert bool(((y - x).abs() <= step / 2 + 1e-3 * step + 1e-6).all())
+    # Rounding a dequantized tensor again gives it back: tokens re-sealed after an eviction lose nothing.
+    again = dequantize(*quantize(y, bits, 32), bits, 64, torch.float32)
+    assert torch.allclose(again, y, atol=1e-2 * float(step.max()))
+
+
+def store(bits=4, tokens=40, heads=2, dim=16, residual=8, keys=True, seed=0):
+    torch.manual_seed(seed)
+    x = torch.randn(1, heads, tokens, dim)
+    quant = QuantizedTokens(x[:, :, :0], KVQuant(bits, group=8, residual=residual), rot_dim=dim if keys else None)
+    quant.append(x[:, :, :tokens // 2])
+    quant.append(x[:, :, tokens // 2:])
+    return x, quant
+
+
+def test_a_store_seals_all_but_the_residual_and_reads_back_close():
+    x, quant = store()
+    assert quant.shape == x.shape and quant.sealed == 32 and quant.tail.shape[2] == 8
+    dense = quant.dense()
+    assert torch.equal(dense[:, :, 32:], x[:, :, 32:])  # the residual is exact
+    assert (dense - x).abs().max() < 0.35  # 4 bits over a range of about 6 (a step of 0.4)
+
+
+@pytest.mark.parametrize("keys", [True, False])
+def test_eviction_keeps_exactly_the_chosen_tokens_per_head(keys):
+    x, quant = store(keys=keys)
+    before = quant.dense()
+    indices = torch.tensor([[0, 3, 5, 20, 33, 38, 39], [1, 2, 30, 31, 32, 36, 39]])
+    quant.gather(indices)
+    expected = before.gather(2, indices[None, :, :, None].expand(1, 2, 7, x.shape[-1]))
+    assert quant.shape == (1, 2, 7, x.shape[-1])
+    assert torch.allclose(quant.dense(), expected, atol=1e-5)  # nothing rounded twice
+    # Residual tokens that stay, stay exact.
+    assert torch.equal(quant.dense()[0, 0, -2:], x[0, 0, 38:40])
+
+
+def test_eviction_of_everything_sealed_and_of_nothing():
+    x, quant = store()
+    quant.gather(torch.arange(36, 40).expand(2, 4))
+    assert quant.sealed == 0 and torch.equal(quant.dense(), x[:, :, 36:])
+    x, quant = store()
+    before = quant.dense()
+    quant.gather(torch.arange(0, 3).expand(2, 3))  # sealed tokens stay packed, even where the residual is
+    assert quant.sealed == 3 and quant.tail.shape[2] == 0 and torch.equal(quant.dense(), before[:, :, :3])
+
+
+def test_bytes_count_packed_payload_scales_zeros_and_residual():
+    x, quant = store(bits=4, dim=16)
+    # 32 sealed tokens x 2 heads: 8 bytes of 4-bit pairs + 2 groups x (scale + zero) x 2 bytes; residual fp32.
+    expected = 2 * 32 * (8 + 2 * 2 * 2) + 2 * 8 * 16 * 4 + 2 * 16 * 4
+    assert quant.nbytes() == expected
+    assert packed_width(64, 2) == 16 and KVQuant(4).token_bytes(64) == 32 + 4
+
+
+def tiny(dtype=torch.bfloat16):
+    from kvcli.models import tiny_llama
+
+    return tiny_llama(num_layers=2, hidden=128, heads=4, kv_heads=2, dtype=dtype)
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "treekv", "snapkv", "h2o", "tova", "pyramidkv", "full"])
+def test_every_method_streams_a_quantized_cache_close_to_16_bits(method):
+    model = tiny()
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for bits in (16, 8, 4):
+        engine = Engine(model, make_method(method, {}), 96, block=32, kv_bits=bits, warn=lambda message: None)
+        totals = engine.score([ids])
+        results[bits] = totals
+    assert abs(results[8].nll - results[16].nll) < 0.01
+    assert abs(results[4].nll - results[16].nll) < 0.05
+    assert results[8].max_cache_tokens == results[16].max_cache_tokens
+    assert results[4].kv_cache_bytes < results[8].kv_cache_bytes < results[16].kv_cache_bytes
+
+
+def test_a_quantized_cache_costs_what_cache_bytes_predicts():
+    model = tiny()
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(1))
+    for bits in (16, 8, 4, 2):
+        engine = Engine(model, make_method("treekv", {}), 96, block=32, kv_bits=bits)
+        totals = engine.score([ids])
+        assert totals.kv_cache_bytes == cache_bytes(model.config, 96, bits, torch.bfloat16)
+
+
+def test_cache_bytes_buys_more_tokens_at_fewer_bits():
+    model = tiny()
+    method = make_method("treekv", {})
+    nbytes = cache_bytes(model.config, 512, 16, torch.bfloat16)
+    budgets = {bits: budget_for_bytes(method, model, nbytes, torch.bfloat16, bits) for bits in (16, 8, 4, 2)}
+    assert budgets[16] == 512
+    assert budgets[4] >= 3 * budgets[16] and budgets[2] > budgets[4] > budgets[8] > budgets[16]
+    for bits, budget in budgets.items():
+        assert cache_bytes(model.config, budget, bits, torch.bfloat16) <= nbytes
+        assert cache_bytes(model.config, budget + 1, bits, torch.bfloat16) > nbytes
+    assert tokens_for_bytes(model.config, 10, 4, torch.bfloat16) == 0
+
+
+@pytest.mark.parametrize("select", [None, "snapkv"])
+def test_pod_takes_a_quantized_cache(select):
+    """PoD (every token, and with a selection) with layers sharing keys: close to 16 bits, fewer bytes."""
+    from kvcli.pod.groups import GroupsFile, ModelShape
+
+    model = tiny()
+    groups = GroupsFile("tiny", ModelShape.of(model.config), [[[0, 1]], [[0], [1]]])
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(2))
+    totals = {}
+    for bits in (16, 8):
+        options = {"groups": groups, "sinks": 4, "recent": 8, **({"select": select} if select else {})}
+        engine = Engine(model, make_method("pod", options), 96, block=32, kv_bits=bits, warn=lambda message: None)
+        totals[bits] = engine.score([ids])
+    assert abs(totals[8].nll - totals[16].nll) < 0.02
+    assert totals[8].kv_cache_bytes < 0.75 * totals[16].kv_cache_bytes
+
+
+@pytest.mark.parametrize("bits", [3, 0, 32, 1, True, "8"])
+def test_bad_bits_are_a_usage_error(bits):
+    with pytest.raises(UsageError, match="must be 16, 8, 4 or 2"):
+        check_kv_bits(bits)
+
+
+@pytest.mark.parametrize("value", ["3", "0", "32", "eight"])
+def test_cli_bad_kv_bits_is_one_line(tmp_path, value):
+    book = tmp_path / "book.txt"
+    book.write_text("hello world\n")
+    result = subprocess.run([sys.executable, "-m", "kvcli", "ppl", str(book), "--kv-bits", value],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--kv-bits must be 16, 8, 4 or 2" in lines[0]
+    assert result.stdout == ""
