@@ -6,8 +6,10 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -214,3 +216,65 @@ def test_the_lm_eval_entry_point_names_the_registered_class():
 
     (point,) = [p for p in entry_points(group="lm_eval.models") if p.name == "kvcli"]
     assert point.load() is KvcliLM is get_model("kvcli")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+#: What pip puts in site-packages so that plain ``lm_eval --model kvcli`` works (setup.py, kvcli_lm_eval_hook.py).
+HOOK_PTH = "kvcli_lm_eval_hook.pth"
+
+
+def run_python(code: str, *flags: str) -> str:
+    result = subprocess.run([sys.executable, *flags, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{code}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_the_start_up_hook_imports_nothing_but_itself():
+    """The .pth runs ``import kvcli_lm_eval_hook`` at every Python start: no kvcli, torch or lm_eval then."""
+    out = run_python("before = set(sys.modules)\nimport kvcli_lm_eval_hook as hook\n"
+                     "print(sorted(set(sys.modules) - before), sys.meta_path[0] is hook.Finder)", "-S")
+    assert out == "['kvcli_lm_eval_hook'] True"
+
+
+def test_the_hook_registers_a_lazy_kvcli_when_lm_eval_loads_its_models():
+    """lm-eval imports lm_eval.models (its built-in placeholders) on its first model look-up; the hook adds
+    ``kvcli`` there as a placeholder of the same kind, and kvcli is imported only when that model is asked for."""
+    out = run_python("""
+import kvcli_lm_eval_hook as hook
+from lm_eval.api.registry import get_model, model_registry
+assert "kvcli" not in model_registry  # the registry alone: built-ins are not there yet, so neither is kvcli
+import lm_eval.models
+assert dict(model_registry.items())["kvcli"] == "kvcli.lm_eval:KvcliLM" and "hf" in model_registry
+assert not {"kvcli", "torch"} & {name.split(".")[0] for name in sys.modules}, "the placeholder imported kvcli"
+assert hook.Finder not in sys.meta_path
+model = get_model("kvcli")
+print(model.__module__, model.__name__)
+""")
+    assert out == "kvcli.lm_eval KvcliLM"
+
+
+def test_plain_lm_eval_command_runs_kvcli_on_a_local_task_offline(tiny_model_dir, tmp_path):
+    """The issue's check: ``lm_eval --model kvcli ...``, the console script pip installs with lm-eval, finds
+    kvcli (through kvcli_lm_eval_hook.pth) and gives the same score as lm-eval driven from Python."""
+    script = Path(sys.executable).with_name("lm_eval")
+    pth = Path(sysconfig.get_paths()["purelib"], HOOK_PTH)
+    if not pth.is_file():
+        pytest.skip(f"{pth} is missing: kvcli is not pip-installed in this environment (or was installed before "
+                    "the hook existed); pip install -e '.[dev]' adds it. python -m kvcli.lm_eval works without it")
+    if not script.is_file():
+        pytest.skip(f"no lm_eval console script beside {sys.executable}")
+    text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 24
+    write_task(tmp_path, "rolling", ROLLING, [{"text": text}])
+    args = f"model={tiny_model_dir},method=treekv,cache=256"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    command = [str(script), "--model", "kvcli", "--model_args", args, "--tasks", "kvcli_test_rolling",
+               "--include_path", str(tmp_path), "--device", "cpu", "--output_path", str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (path,) = (tmp_path / "out").rglob("results_*.json")
+    got = json.loads(path.read_text(encoding="utf-8"))["results"]["kvcli_test_rolling"]
+    expected = evaluate(tmp_path, ["kvcli_test_rolling"], args)["results"]["kvcli_test_rolling"]
+    assert got["bits_per_byte,none"] > 0
+    assert got["bits_per_byte,none"] == pytest.approx(expected["bits_per_byte,none"], rel=1e-6)
