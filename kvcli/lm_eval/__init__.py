@@ -1,13 +1,16 @@
 """kvcli inside lm-evaluation-harness: the model ``kvcli``, whose every request runs through a compressed cache.
 
-    python -m kvcli.lm_eval --model kvcli --model_args method=treekv,cache=1024 --tasks TASK --include_path DIR
+    lm_eval --model kvcli --model_args method=treekv,cache=1024 --tasks TASK --include_path DIR
 
 lm-eval (``pip install 'kvcli[eval]'``, 0.4.x) finds a model by name in its registry. This module
 registers :class:`KvcliLM` there when it is imported, and nothing in kvcli imports it: the library and
-the CLI run without lm-eval installed. lm-eval releases that read the ``lm_eval.models`` entry-point
-group (its plugin guide) import it by themselves for ``lm_eval --model kvcli``; for 0.4.13 and older,
-``python -m kvcli.lm_eval`` imports it and hands the command line to lm-eval's own CLI, and a Python
-caller does ``import kvcli.lm_eval`` before ``lm_eval.simple_evaluate(model="kvcli", ...)``.
+the CLI run without lm-eval installed. lm-eval 0.4.x reads no plugin entry points, so a pip-installed
+kvcli ships a start-up hook (``kvcli_lm_eval_hook.pth``, the top-level module ``kvcli_lm_eval_hook``)
+that puts the lazy placeholder ``"kvcli.lm_eval:KvcliLM"`` in the registry when lm-eval loads its own
+models: this module is imported only when lm-eval is asked for ``kvcli``. Later lm-eval releases may
+read the ``lm_eval.models`` entry point instead. Where the hook is missing (a source tree that was not
+pip-installed), ``python -m kvcli.lm_eval`` imports this module and hands the command line to lm-eval's
+own CLI, and a Python caller does ``import kvcli.lm_eval`` before ``lm_eval.simple_evaluate(model="kvcli")``.
 
 What each request type does under compression (docs/lm-eval.md):
 
