@@ -166,13 +166,25 @@ def test_bad_bits_are_a_usage_error(bits):
         check_kv_bits(bits)
 
 
-@pytest.mark.parametrize("value", ["3", "0", "32", "eight"])
-def test_cli_bad_kv_bits_is_one_line(tmp_path, value):
+@pytest.mark.parametrize(("command", "value"), [
+    (["ppl"], "3"), (["ppl"], "0"), (["ppl"], "32"), (["ppl"], "eight"), (["summarize"], "3"),
+    (["ask", "--", "BOOK", "Who?"], "1"), (["needle"], "3"), (["bench"], "16,3"),
+])
+def test_cli_bad_kv_bits_is_one_line(tmp_path, command, value):
     book = tmp_path / "book.txt"
     book.write_text("hello world\n")
-    result = subprocess.run([sys.executable, "-m", "kvcli", "ppl", str(book), "--kv-bits", value],
+    args = [str(book) if item == "BOOK" else item for item in command]
+    if "BOOK" not in command:
+        args.append(str(book))
+    if "--" in args:  # options before the positional arguments
+        cut = args.index("--")
+        args = args[:cut] + ["--kv-bits", value] + args[cut:]
+    else:
+        args += ["--kv-bits", value]
+    result = subprocess.run([sys.executable, "-m", "kvcli", *args, "--out", str(tmp_path / "out")]
+                            if command[0] in ("needle", "bench") else [sys.executable, "-m", "kvcli", *args],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
+    assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--kv-bits must be 16, 8, 4 or 2" in lines[0]
     assert result.stdout == ""
