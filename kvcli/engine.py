@@ -347,15 +347,14 @@ class Engine:
         last tokens are the question (:attr:`LayerView.question`).
         """
         budgeted = self.architecture.budgeted
-        for depth, idx in enumerate(budgeted):
-            if idx in skip:
-                continue
-            layer = cache.layers[idx]
-            view = LayerView(depth, len(budgeted), layer, num_new, layer.record, decoding, seen=cache.stream_start,
-                             mean_budget=self.budget, question=question)
-            keep = self.method.compress(view, self.budgets[idx])
+        chosen = [(depth, idx) for depth, idx in enumerate(budgeted) if idx not in skip]
+        views = [LayerView(depth, len(budgeted), cache.layers[idx], num_new, cache.layers[idx].record, decoding,
+                           seen=cache.stream_start, mean_budget=self.budget, question=question)
+                 for depth, idx in chosen]
+        kept = self.method.compress_layers(views, [self.budgets[idx] for _, idx in chosen])
+        for view, keep in zip(views, kept, strict=True):
             if keep is not None:
-                layer.keep(keep)
+                view.layer.keep(keep)
 
     def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, max_tokens: int | None = None,
               cache: KVCache | None = None, score_from: int = 0,

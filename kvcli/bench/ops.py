@@ -73,3 +73,56 @@ def plain_block_ops(model: torch.nn.Module, ids: torch.Tensor, cached: int) -> O
                                                  position_ids=positions))
     finally:
         model.set_attn_implementation(previous)
+
+
+def engine_block_ops(model: torch.nn.Module, method, budget: int, block: int, ids: torch.Tensor) -> OpCount:
+    """Operations of one engine block (forward and compression) once the cache is full and every block compresses.
+
+    ``ids`` needs ``budget + 3 * block`` tokens at least: the cache is filled past the budget first.
+    """
+    from kvcli.engine import Engine
+
+    engine = Engine(model, method, budget, block=block)
+    cache = engine.new_cache()
+    start = 0
+    while start < budget + 2 * block:
+        engine.forward(cache, ids[None, start:start + block])
+        start += block
+    return count_ops(lambda: engine.forward(cache, ids[None, start:start + block]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvcli.bench.ops``: aten operations per block of each method against a plain forward
+    (a named shape of :mod:`kvcli.bench.speed`, random weights)."""
+    import argparse
+
+    from kvcli.bench.speed import build_model
+    from kvcli.methods import make_method
+    from kvcli.methods.registry import METHODS
+
+    parser = argparse.ArgumentParser(prog="python -m kvcli.bench.ops", description=main.__doc__)
+    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--cache", type=int, default=512)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--methods", default=",".join(name for name in METHODS if name != "full"))
+    parser.add_argument("--top", type=int, default=0, help="also list the N op names each method adds most")
+    args = parser.parse_args(argv)
+    model = build_model(args.shape)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.cache + 4 * args.block,), generator=torch.Generator().manual_seed(0))
+    plain = plain_block_ops(model, ids[: args.cache + args.block], args.cache)
+    print(f"{args.shape}, cache {args.cache}, block {args.block}: plain forward {plain.total:,} ops")
+    print("| method | engine ops | ratio | host reads |")
+    print("| --- | ---: | ---: | ---: |")
+    for name in args.methods.split(","):
+        counted = engine_block_ops(model, make_method(name), args.cache, args.block, ids)
+        print(f"| {name} | {counted.total:,} | {counted.total / plain.total:.2f}x | {counted.host_reads} |")
+        if args.top:
+            extra = counted.ops.copy()
+            extra.subtract(plain.ops)
+            for op, count in extra.most_common(args.top):
+                print(f"    {count:+6d} {op}")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, ClassVar
 
 from kvcli.errors import BudgetError, UsageError
@@ -71,6 +72,14 @@ class Method:
         """Indices ``[H_kv, k]`` (ascending) of the tokens to keep, or None to keep all."""
         return None
 
+    def compress_layers(self, views: list[LayerView], budgets: list[int]) -> list[torch.Tensor | None]:
+        """:meth:`compress` for every budgeted layer of a forward, in order (what the engine calls).
+
+        A method may answer for several layers at once (their heads as rows of one batch: fewer
+        operations per block) as long as each layer's answer is the one :meth:`compress` gives it.
+        """
+        return [self.compress(view, budget) for view, budget in zip(views, budgets, strict=True)]
+
     def nests(self) -> bool:
         """Whether a read that needs only its last position may compress each layer as soon as it has
         run and give the next layer only the tokens it passes on (PyramidInfer's nested selection).
@@ -130,19 +139,56 @@ class ScoredMethod(Method):
 
     def observe(self, view: LayerView) -> None:
         """Fold this forward's attention into the layer's per-token state (nothing by default)."""
+        self.observe_layers([view])
+
+    def observe_layers(self, views: list[LayerView]) -> None:
+        """:meth:`observe` for layers that stand alike (see :meth:`compress_layers`), at once where it can."""
+        if type(self).observe is not ScoredMethod.observe:
+            for view in views:
+                self.observe(view)
 
     def score(self, view: LayerView) -> torch.Tensor:
         """Scores ``[H_kv, T]`` (or ``[1, T]`` for one choice per layer) of every cached token."""
-        raise NotImplementedError
+        return self.score_layers([view])
+
+    def score_layers(self, views: list[LayerView]) -> torch.Tensor:
+        """:meth:`score` of layers that stand alike, their rows one after the other (``[L * H_kv, T]``
+        or ``[L, T]``). A subclass writes this or :meth:`score`."""
+        if type(self).score is ScoredMethod.score:
+            raise NotImplementedError
+        return layer_rows([self.score(view) for view in views])
 
     def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
-        self.observe(view)
-        length = view.length
-        count = self.kept_count(view, budget)
-        if length <= count:
-            return None
-        scores = self.score(view)
-        return select_top(scores, self.protected(view, budget, count), count).expand(view.num_heads, count)
+        return self._compress_alike([view], budget, self.kept_count(view, budget))[0]
+
+    def compress_layers(self, views: list[LayerView], budgets: list[int]) -> list[torch.Tensor | None]:
+        """Layers that stand alike (the same length, kept count, protected tokens and record and state
+        shapes: every layer of a uniform budget in a stream) are observed, scored and selected as one
+        batch, their heads as rows; each row is what :meth:`compress` computes for its layer alone."""
+        groups: dict[tuple, list[int]] = {}
+        counts = []
+        for i, (view, budget) in enumerate(zip(views, budgets, strict=True)):
+            count = self.kept_count(view, budget)
+            counts.append(count)
+            groups.setdefault((count, self._protected_span(view, budget, count), *_batch_key(view)), []).append(i)
+        kept: list[torch.Tensor | None] = [None] * len(views)
+        for members in groups.values():
+            chosen = self._compress_alike([views[i] for i in members], budgets[members[0]], counts[members[0]])
+            for i, keep in zip(members, chosen, strict=True):
+                kept[i] = keep
+        return kept
+
+    def _compress_alike(self, views: list[LayerView], budget: int, count: int) -> list[torch.Tensor | None]:
+        """:meth:`compress` of layers that stand alike, keeping ``count`` tokens each."""
+        self.observe_layers(views)
+        first = views[0]
+        if first.length <= count:
+            return [None] * len(views)
+        protected = recent_and_sinks(*self._protected_span(first, budget, count), first.layer.device)
+        chosen = select_top(self.score_layers(views), protected, count)
+        rows = chosen.shape[0] // len(views)
+        parts = chosen.split(rows) if len(views) > 1 else (chosen,)
+        return [keep if rows == first.num_heads else keep.expand(first.num_heads, count) for keep in parts]
 
     def protected(self, view: LayerView, budget: int, count: int) -> torch.Tensor:
         """Boolean ``[T]``: the sinks, the recent window and the reader's question, kept whatever they score.
@@ -152,9 +198,54 @@ class ScoredMethod(Method):
         keeps beside its sinks, so that a small top layer still has room for what the question asks
         about (measured in docs/methods.md).
         """
+        return recent_and_sinks(*self._protected_span(view, budget, count), view.layer.device)
+
+    def _protected_span(self, view: LayerView, budget: int, count: int) -> tuple[int, int, int]:
+        """``(length, sinks, recent)`` of :meth:`protected`."""
         question = min(view.question, max(count - self.sinks, 0) // 2)
-        recent = max(self.kept_recent(view, budget), question)
-        return recent_and_sinks(view.length, self.sinks, recent, view.layer.device)
+        return view.length, self.sinks, max(self.kept_recent(view, budget), question)
+
+
+def _batch_key(view: LayerView) -> tuple:
+    """What layers must share to be compressed as one batch, beside their protected span."""
+    record = view.record
+    seen = None if record is None else (record.window, record.own_window, record.probs.shape,
+                                        None if record.probe is None else record.probe.shape)
+    state = tuple((name, value.shape) for name, value in view.layer.state.items())
+    return view.num_new, view.num_heads, seen, state
+
+
+def layer_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer tensors ``[H, ...]`` of equal shapes as one ``[L * H, ...]``, layer by layer."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def per_token_rows(views: list[LayerView], name: str) -> torch.Tensor:
+    """The layers' per-token state ``name`` as rows ``[L * H, T]``, zeros for the tokens that just arrived:
+    :meth:`LayerView.per_token` of each layer (which stores the padded state), in one piece."""
+    if len(views) == 1:
+        return views[0].per_token(name)
+    first = views[0]
+    states = [view.layer.state.get(name) for view in views]
+    rows = len(views) * first.num_heads
+    if states[0] is None:
+        joined = torch.zeros((rows, first.length), dtype=torch.float32, device=first.layer.device)
+    else:
+        joined = torch.cat(states)
+        missing = first.length - joined.shape[1]
+        if missing > 0:
+            joined = torch.cat((joined, joined.new_zeros((rows, missing))), dim=1)
+    set_per_token_rows(views, name, joined)
+    return joined
+
+
+def set_per_token_rows(views: list[LayerView], name: str, value: torch.Tensor) -> None:
+    """Each layer's rows of ``value`` ``[L * H, T]`` become its per-token state ``name``."""
+    if len(views) == 1:
+        views[0].set_per_token(name, value)
+        return
+    for view, rows in zip(views, value.split(views[0].num_heads), strict=True):
+        view.set_per_token(name, rows)
 
 
 def _type_name(annotation) -> str:
@@ -162,11 +253,19 @@ def _type_name(annotation) -> str:
 
 
 def recent_and_sinks(length: int, sinks: int, recent: int, device: torch.device) -> torch.Tensor:
-    """Boolean ``[length]``: the first ``sinks`` and last ``recent`` tokens, which every method keeps."""
+    """Boolean ``[length]``: the first ``sinks`` and last ``recent`` tokens, which every method keeps.
+
+    The same few masks serve every layer and block of a stream, so they are made once (read only).
+    """
+    return _recent_and_sinks(length, min(sinks, length), min(max(recent, 0), length), torch.device(device))
+
+
+@lru_cache(maxsize=64)
+def _recent_and_sinks(length: int, sinks: int, recent: int, device: torch.device) -> torch.Tensor:
     protected = torch.zeros(length, dtype=torch.bool, device=device)
-    protected[: min(sinks, length)] = True
+    protected[:sinks] = True
     if recent > 0:
-        protected[max(length - recent, 0):] = True
+        protected[length - recent:] = True
     return protected
 
 
@@ -180,7 +279,7 @@ def select_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> to
     heads, length = scores.shape
     if budget >= length:
         return torch.arange(length, device=scores.device).expand(heads, length)
-    ranked = scores.to(torch.float32).masked_fill(protected, float("inf"))
+    ranked = (scores if scores.dtype == torch.float32 else scores.float()).masked_fill(protected, float("inf"))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :budget]
     return order.sort(dim=-1).values
 
@@ -198,12 +297,10 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor
     """
     if kernel <= 1 or scores.shape[-1] == 0:
         return scores
-    x = scores[:, None, :]
+    # [H, P] is one unbatched channel per head: the same kernel as [H, 1, P], without the reshapes.
     if pooling == "max":
-        out = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
-    else:
-        out = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
-    return out[:, 0, :]
+        return F.max_pool1d(scores, kernel, stride=1, padding=kernel // 2)
+    return F.avg_pool1d(scores, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
 
 
 def check_budget(budget: int, always_kept: int, what: str) -> None:

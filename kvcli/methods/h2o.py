@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcli.lazy import torch
-from kvcli.methods.base import AUTO_RECENT_HELP, ScoredMethod, group_mean, param
+from kvcli.methods.base import AUTO_RECENT_HELP, ScoredMethod, layer_rows, param, per_token_rows, set_per_token_rows
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
@@ -34,11 +34,15 @@ class H2O(ScoredMethod):
     def score_window(self, block_len: int) -> int:
         return block_len  # every query of the block adds to the accumulated scores
 
-    def observe(self, view: LayerView) -> None:
-        if view.record is not None:
+    def observe_layers(self, views: list[LayerView]) -> None:
+        if views[0].record is not None:
             # Query heads of a GQA group share one cached token: their attention is averaged, so a
             # score is on the scale of a single head's (the sum would only rescale every token alike).
-            view.set_per_token(STATE, view.per_token(STATE) + group_mean(view.record.probs)[:, :view.length])
+            fresh = layer_rows([view.record.probs for view in views]).mean(dim=1)
+            length = views[0].length
+            if fresh.shape[1] != length:
+                fresh = fresh[:, :length]
+            set_per_token_rows(views, STATE, per_token_rows(views, STATE) + fresh)
 
-    def score(self, view: LayerView) -> torch.Tensor:
-        return view.per_token(STATE)
+    def score_layers(self, views: list[LayerView]) -> torch.Tensor:
+        return per_token_rows(views, STATE)

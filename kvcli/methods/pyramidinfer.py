@@ -77,10 +77,12 @@ from kvcli.methods.base import (
     ScoredMethod,
     Split,
     check_split,
-    group_mean,
+    layer_rows,
     param,
+    per_token_rows,
     pool_scores,
     select_top,
+    set_per_token_rows,
 )
 from kvcli.methods.pyramidkv import apportion
 from kvcli.methods.registry import register
@@ -221,14 +223,21 @@ class PyramidInfer(ScoredMethod):
         keep = select_top(scores, protected, stored).expand(view.num_heads, stored)
         return keep, (None if passed >= length else select_top(scores, protected, passed))
 
-    def observe(self, view: LayerView) -> None:
-        record = view.record
+    def observe_layers(self, views: list[LayerView]) -> None:
+        record = views[0].record
         if record is not None:
-            fresh = group_mean(record.probs)[:, :view.length]
+            length, heads = views[0].length, views[0].num_heads
+            fresh = layer_rows([view.record.probs for view in views]).mean(dim=1)  # GQA group averaged
+            if fresh.shape[1] != length:
+                fresh = fresh[:, :length]
             if self.heads == "mean":  # every query head alike (the KV heads' groups are equal in size)
-                fresh = fresh.mean(dim=0, keepdim=True).expand_as(fresh)
-            decayed = view.per_token(STATE) * self.gamma**view.num_new
-            view.set_per_token(STATE, decayed + window_weight(record.window, self.gamma) * fresh)
+                if len(views) == 1:
+                    fresh = fresh.mean(dim=0, keepdim=True).expand_as(fresh)
+                else:
+                    layers = fresh.view(len(views), heads, length)
+                    fresh = layers.mean(dim=1, keepdim=True).expand_as(layers).reshape(len(views) * heads, length)
+            decayed = per_token_rows(views, STATE) * self.gamma**views[0].num_new
+            set_per_token_rows(views, STATE, decayed + window_weight(record.window, self.gamma) * fresh)
 
-    def score(self, view: LayerView) -> torch.Tensor:
-        return pool_scores(view.per_token(STATE), self.kernel, "max")
+    def score_layers(self, views: list[LayerView]) -> torch.Tensor:
+        return pool_scores(per_token_rows(views, STATE), self.kernel, "max")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvcli.errors import UsageError
 from kvcli.lazy import torch
-from kvcli.methods.base import ScoredMethod, check_split, group_mean, param, pool_scores
+from kvcli.methods.base import ScoredMethod, check_split, layer_rows, param, pool_scores
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class SnapKV(ScoredMethod):
         check_pooling(self.window, self.kernel, self.pooling)
         check_split(budget, self.sinks, self.recent_tokens())
 
-    def score(self, view: LayerView) -> torch.Tensor:
+    def score_layers(self, views: list[LayerView]) -> torch.Tensor:
         """The window's attention, pooled over every key the whole window saw.
 
         The window keys (the block's last tokens as many as its own recorded queries, which only part
@@ -69,9 +69,12 @@ class SnapKV(ScoredMethod):
         are left out of the pooling, as in SnapKV, and compete with their raw score if ``recent`` does
         not cover them.
         """
+        view = views[0]
         if view.record is None:
             raise RuntimeError("snapkv-style selection needs the attention of the observation window")
         length = view.length
-        scores = group_mean(view.record.probs)[:, :length]
+        scores = layer_rows([v.record.probs for v in views]).mean(dim=1)  # GQA group averaged
+        if scores.shape[1] != length:
+            scores = scores[:, :length]
         prefix = length - min(view.record.own_window, view.num_new, length)
         return torch.cat((pool_scores(scores[:, :prefix], self.kernel, self.pooling), scores[:, prefix:]), dim=1)

@@ -33,7 +33,14 @@ class TOVA(ScoredMethod):
     def score_window(self, block_len: int) -> int:
         return 1
 
-    def score(self, view: LayerView) -> torch.Tensor:
-        if view.record is None:
+    def score_layers(self, views: list[LayerView]) -> torch.Tensor:
+        if views[0].record is None:
             raise RuntimeError("tova needs the attention of the last query")
-        return view.record.probs[..., :view.length].mean(dim=(0, 1))[None, :]  # every query head of the layer
+        length = views[0].length
+        if len(views) == 1:
+            probs = views[0].record.probs
+            return (probs if probs.shape[-1] == length else probs[..., :length]).mean(dim=(0, 1))[None, :]
+        probs = torch.stack([view.record.probs for view in views])  # [L, H_kv, group, T]
+        if probs.shape[-1] != length:
+            probs = probs[..., :length]
+        return probs.mean(dim=(1, 2))  # every query head of each layer: one row per layer

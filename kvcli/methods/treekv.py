@@ -27,7 +27,17 @@ from typing import TYPE_CHECKING
 
 from kvcli.errors import UsageError
 from kvcli.lazy import torch
-from kvcli.methods.base import Method, Split, check_budget, group_mean, param, pool_scores, select_top
+from kvcli.methods.base import (
+    Method,
+    Split,
+    check_budget,
+    layer_rows,
+    param,
+    per_token_rows,
+    pool_scores,
+    select_top,
+    set_per_token_rows,
+)
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
@@ -42,39 +52,39 @@ IDX = "treekv_idx"  # in the layer's method state: 0-based start of the eviction
 def pair_rule(scores: torch.Tensor, capacity: int, steps: int, start: int) -> tuple[torch.Tensor, int]:
     """``steps`` evictions of Algorithm 1 over items in order, ``capacity`` settled then the rest arriving.
 
-    ``scores`` ``[H, N]`` (N >= capacity + steps) scores items per head; items ``capacity ...`` arrive
-    one per step. Each step compares the ``idx``-th and ``(idx+1)``-th items present (0-based
-    ``idx`` = ``start`` at first), evicts the ``idx+1``-th if the ``idx``-th scores higher and the
-    ``idx``-th otherwise, then sets ``idx = (idx + 1) % capacity``. Until ``idx`` wraps, step ``j`` of a
-    sweep compares positions ``idx + 2j`` and ``idx + 2j + 1`` of the sequence as it stood when the
-    sweep began, so a sweep is one gather and one comparison. Returns the evicted item indices
-    ``[H, steps]`` (in eviction order) and the next ``idx``.
+    ``scores`` ``[R, N]`` (N >= capacity + steps) scores items per row (a KV head of a layer); items
+    ``capacity ...`` arrive one per step. Each step compares the ``idx``-th and ``(idx+1)``-th items
+    present (0-based ``idx`` = ``start`` at first), evicts the ``idx+1``-th if the ``idx``-th scores
+    higher and the ``idx``-th otherwise, then sets ``idx = (idx + 1) % capacity``. Until ``idx`` wraps,
+    step ``j`` of a sweep compares positions ``idx + 2j`` and ``idx + 2j + 1`` of the sequence as it
+    stood when the sweep began, so a sweep is one gather and one comparison for every row at once,
+    and what survives a sweep is the sequence with each pair replaced by its winner. Returns the
+    evicted item indices ``[R, steps]`` (in eviction order) and the next ``idx``.
     """
-    heads, device = scores.shape[0], scores.device
-    alive = torch.arange(capacity, device=device).expand(heads, capacity)
+    rows, device = scores.shape[0], scores.device
+    alive = torch.arange(capacity, device=device).expand(rows, capacity)
     evicted = []
     done, idx = 0, start
     while done < steps:
         count = min(steps - done, capacity - idx)
-        pending = torch.arange(capacity + done, capacity + done + count, device=device).expand(heads, count)
+        pending = torch.arange(capacity + done, capacity + done + count, device=device).expand(rows, count)
         seq = torch.cat((alive, pending), dim=1)
-        left = idx + 2 * torch.arange(count, device=device)
-        a, b = seq[:, left], seq[:, left + 1]
-        right_loses = scores.gather(1, a) > scores.gather(1, b)
-        evicted.append(torch.where(right_loses, b, a))
-        drop = torch.zeros(seq.shape, dtype=torch.bool, device=device)
-        drop[:, left] = ~right_loses
-        drop[:, left + 1] = right_loses
-        alive = seq[~drop].view(heads, capacity)
+        pairs = seq[:, idx: idx + 2 * count]  # the sweep's disjoint neighbour pairs, left then right
+        paired = scores.gather(1, pairs).view(rows, count, 2)
+        right_loses = paired[..., 0] > paired[..., 1]
+        pairs = pairs.view(rows, count, 2)
+        left, right = pairs[..., 0], pairs[..., 1]
+        evicted.append(torch.where(right_loses, right, left))
+        alive = torch.cat((seq[:, :idx], torch.where(right_loses, left, right), seq[:, idx + 2 * count:]), dim=1)
         done += count
         idx = (idx + count) % capacity
     if not evicted:
-        return torch.empty((heads, 0), dtype=torch.long, device=device), idx
-    return torch.cat(evicted, dim=1), idx
+        return torch.empty((rows, 0), dtype=torch.long, device=device), idx
+    return (evicted[0] if len(evicted) == 1 else torch.cat(evicted, dim=1)), idx
 
 
 def remove(positions: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
-    """``positions`` ``[H, N]`` without the entries at indices ``drop`` ``[H, m]`` (same m per head)."""
+    """``positions`` ``[R, N]`` without the entries at indices ``drop`` ``[R, m]`` (same m per row)."""
     mask = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
     mask.scatter_(1, drop, False)
     return positions[mask].view(positions.shape[0], positions.shape[1] - drop.shape[1])
@@ -114,69 +124,113 @@ class TreeKV(Method):
             check_budget(budget, self.sinks + self.recent + need, what)
 
     def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
-        layer = view.layer
-        if SCORE not in layer.state:  # a fresh (or reset) layer: the eviction scope starts at the left
+        return self._compress_group([view], budget)[0]
+
+    def compress_layers(self, views: list[LayerView], budgets: list[int]) -> list[torch.Tensor | None]:
+        """Every layer at once where layers stand alike (the same length, budget, record shape and sweep
+        index: every layer of a uniform budget in a stream): their KV heads are rows of one batch, so a
+        block runs one accumulation and one pair sweep for the whole model, not one per layer. Each row is
+        computed as :meth:`compress` computes it alone."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (view, budget) in enumerate(zip(views, budgets, strict=True)):
+            self._start(view)
+            groups.setdefault(self._batch_key(view, budget), []).append(i)
+        kept: list[torch.Tensor | None] = [None] * len(views)
+        for members in groups.values():
+            chosen = self._compress_group([views[i] for i in members], budgets[members[0]])
+            for i, keep in zip(members, chosen, strict=True):
+                kept[i] = keep
+        return kept
+
+    @staticmethod
+    def _start(view: LayerView) -> None:
+        if SCORE not in view.layer.state:  # a fresh (or reset) layer: the eviction scope starts at the left
             view.method_state[IDX] = 0
-        scores, counts = self._accumulate(view)
-        length = view.length
+
+    @staticmethod
+    def _batch_key(view: LayerView, budget: int) -> tuple:
+        """Layers with equal keys are compressed as one batch."""
+        state = tuple(None if name not in view.layer.state else view.layer.state[name].shape for name in (SCORE, COUNT))
+        record = view.record
+        seen = None if record is None else (record.window, record.own_window, record.probs.shape,
+                                            None if record.probe is None else record.probe.shape)
+        return (budget, view.length, view.num_new, view.num_heads, state, seen, view.method_state.get(IDX, 0))
+
+    def _compress_group(self, views: list[LayerView], budget: int) -> list[torch.Tensor | None]:
+        """:meth:`compress` for layers that stand alike (see :meth:`_batch_key`), their heads as rows."""
+        for view in views:
+            self._start(view)
+        first = views[0]
+        scores, counts = self._accumulate(views)  # [R, T]: the heads of every layer, layer by layer
+        length = first.length
         if length <= budget:
-            return None
+            return [None] * len(views)
         split = Split.of(budget, self.sinks, self.recent)
         if split.selected < 1:
             raise UsageError(f"treekv: cache {budget} leaves no room for selected tokens")
-        heads, device = view.num_heads, layer.device
+        rows, device = scores.shape[0], first.layer.device
         lo, hi = split.sinks, length - split.recent  # the tree region, holding selected + excess tokens
         excess = length - budget
-        unit = self.tree_block or (AUTO_TREE_BLOCK if self.is_prefill(view) else 1)
+        unit = self.tree_block or (AUTO_TREE_BLOCK if self.is_prefill(first) else 1)
         if unit > split.selected:
             unit = 1
         units, rest = divmod(excess, unit) if unit > 1 else (0, excess)
-        idx = view.method_state.get(IDX, 0) % split.selected
+        idx = first.method_state.get(IDX, 0) % split.selected
         if units == 0 and rest == 1:  # decoding: one comparison, cheaper than a sweep
             pair = torch.arange(lo + idx, lo + idx + 2, device=device)
             importance = scores[:, pair] / counts[:, pair].clamp_min(1.0)
-            gone = pair[0] + (importance[:, :1] > importance[:, 1:]).long()  # [H, 1] cache index
-            view.method_state[IDX] = (idx + 1) % split.selected
-            kept = torch.arange(length - 1, device=device).expand(heads, length - 1)
-            return kept + (kept >= gone).long()
+            gone = pair[0] + (importance[:, :1] > importance[:, 1:]).long()  # [R, 1] cache index
+            kept = torch.arange(length - 1, device=device).expand(rows, length - 1)
+            return self._per_layer(views, kept + (kept >= gone).long(), (idx + 1) % split.selected)
         importance = scores[:, lo:hi] / counts[:, lo:hi].clamp_min(1.0)  # S / C (Algorithm 1, line 10)
-        region = torch.arange(hi - lo, device=device).expand(heads, hi - lo)
+        region = None  # the region's surviving indices [R, k]; None: all of them, in order
         if units:
             capacity = split.selected // unit
-            first = idx // unit
+            first_unit = idx // unit
             in_play = importance[:, : (capacity + units) * unit]  # settled units, then the arriving ones
-            unit_scores = in_play.view(heads, capacity + units, unit).mean(-1)
-            gone, first = pair_rule(unit_scores, capacity, units, first if first < capacity else 0)
-            idx = first * unit
+            unit_scores = in_play.view(rows, capacity + units, unit).mean(-1)
+            gone, first_unit = pair_rule(unit_scores, capacity, units, first_unit if first_unit < capacity else 0)
+            idx = first_unit * unit
             tokens = (gone[:, :, None] * unit + torch.arange(unit, device=device)).flatten(1)
-            region = remove(region, tokens)
-        guarded = self._guarded(view, lo, hi, split.selected) if rest and not units else None
+            region = remove(torch.arange(hi - lo, device=device).expand(rows, hi - lo), tokens)
+        guarded = self._guarded(views, lo, hi, split.selected) if rest and not units else None
         if guarded is not None:  # the pair rule sweeps the other tokens, as if the guarded were not there
-            open_ = remove(region, guarded)
+            open_ = remove(torch.arange(hi - lo, device=device).expand(rows, hi - lo), guarded)
             capacity = split.selected - guarded.shape[1]
             gone, idx = pair_rule(importance.gather(1, open_), capacity, rest, idx % capacity)
-            region = remove(region, open_.gather(1, gone))
+            region = remove(torch.arange(hi - lo, device=device).expand(rows, hi - lo), open_.gather(1, gone))
         elif rest:
-            gone, idx = pair_rule(importance.gather(1, region), split.selected, rest, idx)
-            region = remove(region, gone)
-        view.method_state[IDX] = idx
-        sinks = torch.arange(lo, device=device).expand(heads, lo)
-        recent = torch.arange(hi, length, device=device).expand(heads, length - hi)
-        return torch.cat((sinks, region + lo, recent), dim=1)
+            in_play = importance if region is None else importance.gather(1, region)
+            gone, idx = pair_rule(in_play, split.selected, rest, idx)
+            region = remove(torch.arange(hi - lo, device=device).expand(rows, hi - lo) if region is None else region,
+                            gone)
+        kept = torch.cat((torch.arange(lo, device=device).expand(rows, lo), region + lo,
+                          torch.arange(hi, length, device=device).expand(rows, length - hi)), dim=1)
+        return self._per_layer(views, kept, idx)
 
-    def _guarded(self, view: LayerView, lo: int, hi: int, selected: int) -> torch.Tensor | None:
-        """Tree-region indices ``[H, g]`` (ascending) around the probe's attention peaks, or None.
+    @staticmethod
+    def _per_layer(views: list[LayerView], kept: torch.Tensor, idx: int) -> list[torch.Tensor]:
+        """Rows ``[R, k]`` back to each layer's ``[H, k]``, and every layer's next sweep index."""
+        for view in views:
+            view.method_state[IDX] = idx
+        if len(views) == 1:
+            return [kept]
+        return list(kept.view(len(views), views[0].num_heads, kept.shape[1]).unbind(0))
+
+    def _guarded(self, views: list[LayerView], lo: int, hi: int, selected: int) -> torch.Tensor | None:
+        """Tree-region indices ``[R, g]`` (ascending) around the probe's attention peaks, or None.
 
         The question's attention to the region, max-pooled over ``kernel`` neighbours so that a peak
         guards its span, picks the top ``guard`` tokens per KV head (at most half the selected part,
         so the sweep still has room); ties go to the earlier token, as in :func:`select_top`. How
         large it must be is measured in docs/reading.md.
         """
-        record = view.record
+        record = views[0].record
         count = min(self.guard, selected // 2)
         if record is None or record.probe is None or count < 1:
             return None
-        probe = pool_scores(group_mean(record.probe)[:, lo:hi].float(), self.kernel, "max")
+        probe = layer_rows([view.record.probe for view in views]).mean(dim=1)
+        probe = pool_scores(probe[:, lo:hi].float(), self.kernel, "max")
         return select_top(probe, torch.zeros(hi - lo, dtype=torch.bool, device=probe.device), count)
 
     @staticmethod
@@ -186,19 +240,25 @@ class TreeKV(Method):
         experiments (section 5.2) evict token by token (the two compared in docs/methods.md)."""
         return view.num_new == view.length and view.num_new > 1
 
-    def _accumulate(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add the block's attention to S and the number of recorded queries that saw each token to C."""
-        scores, counts = view.per_token(SCORE), view.per_token(COUNT)
-        record, new = view.record, view.num_new
+    def _accumulate(self, views: list[LayerView]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the block's attention to S and the number of recorded queries that saw each token to C.
+
+        Returns both as rows ``[R, T]``, every layer's heads in turn; each layer keeps its own rows.
+        """
+        scores, counts = per_token_rows(views, SCORE), per_token_rows(views, COUNT)
+        first = views[0]
+        record, new, length = first.record, first.num_new, first.length
         if record is None:
             return scores, counts
-        scores = scores + group_mean(record.probs)[:, : view.length]
+        probs = layer_rows([view.record.probs for view in views]).mean(dim=1)  # [R, T]: GQA group averaged
+        scores = scores + (probs if probs.shape[1] == length else probs[:, :length])
         # The block's own window sees new token j only from block index j on; extra probe queries see all.
         own = min(record.own_window, new)
         counts = counts + float(record.window)
         if own > 1:  # new token j missed the first max(0, own - (new - j)) of the block's window queries
             missed = (own - torch.arange(new, 0, -1, device=counts.device)).clamp(min=0).float()
-            counts[:, view.length - new:] -= missed
-        view.set_per_token(SCORE, scores)
-        view.set_per_token(COUNT, counts)
+            counts[:, length - new:] -= missed
+        set_per_token_rows(views, SCORE, scores)
+        set_per_token_rows(views, COUNT, counts)
         return scores, counts
+
