@@ -36,6 +36,12 @@ CAUSAL_KERNEL_FROM = 1024
 
 
 @lru_cache(maxsize=16)
+def hidden_by_mask(queries: int, keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """The keys :func:`block_causal_mask` hides (its negation), made once per shape for ``masked_fill_``."""
+    return ~block_causal_mask(queries, keys, device, window)
+
+
+@lru_cache(maxsize=16)
 def block_causal_mask(queries: int, keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
     """``[queries, keys]`` boolean mask: query i sees every cached key and the new keys up to itself;
     with a ``window``, only the keys less than ``window`` positions before it (the cached keys of a
@@ -111,14 +117,14 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     _, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
-    grouped = (query[0] * scaling).reshape(kv_heads, group * q_len, dim)
+    grouped = (query * scaling).reshape(kv_heads, group * q_len, dim)
     logits = soft_cap(torch.matmul(grouped, key[0].transpose(1, 2)), softcap).view(kv_heads, group, q_len, k_len)
     if sliding_window is not None and k_len > 1:
-        logits.masked_fill_(~block_causal_mask(q_len, k_len, query.device, sliding_window), float("-inf"))
+        logits.masked_fill_(hidden_by_mask(q_len, k_len, query.device, sliding_window), float("-inf"))
     elif q_len > 1:  # only the new keys need the causal mask: every cached key is visible to every query
         offset = k_len - q_len
         new_part = logits[..., offset:]
-        new_part.masked_fill_(~block_causal_mask(q_len, q_len, query.device), float("-inf"))
+        new_part.masked_fill_(hidden_by_mask(q_len, q_len, query.device), float("-inf"))
     tail = None
     if window > 0:  # the scaling is already in the logits
         tail = window_probs(logits[:, :, q_len - min(window, q_len):, :], 1.0, None)

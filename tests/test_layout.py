@@ -14,7 +14,7 @@ LAYERS = {
     "perplexity": 3, "kl": 3, "generate": 3, "needle": 3, "bench": 3, "analysis": 3, "adapt": 3, "corpus": 3,
     "checkpoint": 3, "needle_plot": 3,
     "models": 2, "text": 2, "presets": 2,
-    "engine": 1, "methods": 1, "pod": 1, "cache": 1, "attention": 1, "architecture": 1,
+    "engine": 1, "methods": 1, "pod": 1, "cache": 1, "attention": 1, "architecture": 1, "quant": 1,
     "report": 0, "plots": 0, "errors": 0, "outputs": 0, "statefile": 0, "distributed": 0, "__init__": 0,
     "modelcache": 0, "lazy": 0,
 }
@@ -36,3 +36,65 @@ def test_every_module_has_a_layer_and_no_import_points_up():
         assert top in LAYERS, f"{top} has no layer in this test and in docs/engine.md"
         for name in imported_kvcli_modules(path):
             assert LAYERS[name] <= LAYERS[top], f"{path.relative_to(ROOT)} imports kvcli.{name}, a higher layer"
+
+
+def module_name(path: Path) -> str:
+    parts = ("kvcli", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every kvcli module and the kvcli modules it imports anywhere: at the top, under ``TYPE_CHECKING``
+    or inside a function (a lazy import still ties the two modules together)."""
+    modules = {module_name(path): path for path in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{name} uses a relative import; kvcli spells imports out")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvcli":
+                for alias in node.names:  # `from kvcli.bench import grid` imports the module kvcli.bench.grid
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names if alias.name.split(".")[0] == "kvcli")
+        graph[name] = {target for target in targets if target in modules and target != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_between_kvcli_modules():
+    """Not even through a lazy or TYPE_CHECKING import: two modules that need each other are one concern
+    split badly (issue #27: kvcli.bench.grid and kvcli.bench.results imported each other)."""
+    graph = import_graph()
+    assert "kvcli.bench.results" in graph and "kvcli.engine" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None

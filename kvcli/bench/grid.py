@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kvcli import __version__
-from kvcli.bench.results import load_results, run_key, save_results
+from kvcli.bench.results import GridResult, load_results, run_key, save_results
 from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals
 from kvcli.errors import KvcliError, UsageError
 from kvcli.kl import KLMeter, LogitsWriter, Reference, token_digest
@@ -111,18 +111,6 @@ def plan_grid(methods: Sequence[str], budgets: Sequence[int],
                 spec.build()
                 specs.append(spec)
     return specs
-
-
-@dataclass
-class GridResult:
-    """The grid's runs in grid order (earlier ones reused, new ones measured), and the whole result set."""
-
-    runs: list[dict]
-    results: dict
-    settings: dict  # this grid's model, source, tokens, bytes, block, dtype, device
-    skipped: int
-    measured: int
-    interrupted: bool
 
 
 def measure(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: int, *,

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvcli.errors import KvcliError
 from kvcli.report import clean_json, dumps
-
-if TYPE_CHECKING:
-    from kvcli.bench.grid import GridResult
 
 RESULTS_FILE = "results.json"
 # What makes two runs the same measurement: a rerun skips a planned run whose values of these match.
@@ -24,6 +21,18 @@ SETTING_FIELDS = ("model", "source", "tokens", "block", "dtype", "device")
 KEY_FIELDS = (*SETTING_FIELDS, "method", "cache", "params", "kv_bits")
 #: A run recorded before a field existed measured its default (``kv_bits``: the model's 16 bits).
 KEY_DEFAULTS = {"kv_bits": 16}
+
+
+@dataclass
+class GridResult:
+    """The grid's runs in grid order (earlier ones reused, new ones measured), and the whole result set."""
+
+    runs: list[dict]
+    results: dict
+    settings: dict  # this grid's model, source, tokens, bytes, block, dtype, device
+    skipped: int
+    measured: int
+    interrupted: bool
 
 
 def run_key(run: dict) -> str:

@@ -262,11 +262,13 @@ def recent_and_sinks(length: int, sinks: int, recent: int, device: torch.device)
 
 @lru_cache(maxsize=64)
 def _recent_and_sinks(length: int, sinks: int, recent: int, device: torch.device) -> torch.Tensor:
-    protected = torch.zeros(length, dtype=torch.bool, device=device)
-    protected[:sinks] = True
-    if recent > 0:
-        protected[length - recent:] = True
-    return protected
+    places = _places(length, device)
+    return (places < sinks) | (places >= length - recent)
+
+
+@lru_cache(maxsize=64)
+def _places(length: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(length, device=device)
 
 
 def select_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:

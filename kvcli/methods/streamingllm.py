@@ -24,11 +24,22 @@ class StreamingLLM(Method):
         check_budget(budget, self.sinks + 1, "sinks + 1 recent token")
 
     def compress(self, view: LayerView, budget: int) -> torch.Tensor | None:
+        return self._kept(view, budget, {})
+
+    def compress_layers(self, views: list[LayerView], budgets: list[int]) -> list[torch.Tensor | None]:
+        made: dict[tuple, torch.Tensor] = {}  # layers of one length and budget share the indices
+        return [self._kept(view, budget, made) for view, budget in zip(views, budgets, strict=True)]
+
+    def _kept(self, view: LayerView, budget: int, made: dict[tuple, torch.Tensor]) -> torch.Tensor | None:
+        """The sinks and the last ``budget - sinks`` tokens, for every head."""
         length = view.length
         if length <= budget:
             return None
-        device = view.layer.device
-        recent = budget - self.sinks
-        sinks = torch.arange(self.sinks, device=device)
-        keep = torch.cat((sinks, torch.arange(length - recent, length, device=device)))
-        return keep.expand(view.num_heads, budget)
+        key = (length, budget, view.num_heads)
+        if key not in made:
+            device = view.layer.device
+            recent = budget - self.sinks
+            sinks = torch.arange(self.sinks, device=device)
+            keep = torch.cat((sinks, torch.arange(length - recent, length, device=device)))
+            made[key] = keep.expand(view.num_heads, budget)
+        return made[key]
