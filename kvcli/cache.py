@@ -162,11 +162,9 @@ class CompressedLayer(CacheLayerMixin):
     # --- kvcli ---------------------------------------------------------------------------------
     def new_store(self, empty: torch.Tensor, keys: bool) -> torch.Tensor | QuantizedTokens:
         """Where this layer keeps keys (``keys``) or values: ``empty`` itself, or a packed store when the
-        cache is quantized (:attr:`KVCache.kv_quant`); keys get per-channel scales shared by RoPE pairs."""
+        cache is quantized (:attr:`KVCache.kv_quant`)."""
         quant = self.owner.kv_quant
-        if quant is None:
-            return empty
-        return QuantizedTokens(empty, quant, rot_dim=2 * self.inv_freq.shape[0] if keys else None)
+        return empty if quant is None else QuantizedTokens(empty, quant)
 
     def current_positions(self, block_start: int) -> torch.Tensor:
         """Positions the cached tokens hold now: consecutive, ending right before ``block_start``."""

@@ -8,16 +8,15 @@ What one layer's keys (or values) ``[1, H, T, D]`` become (:class:`QuantizedToke
 * the *residual*: the last :data:`RESIDUAL` tokens in the model's own precision; a token is sealed
   (quantized, once) as soon as a newer block pushes it out of that window.
 
-Keys get a per-channel scale before that per-token rounding: each layer and KV head divides its keys by
-the largest magnitude every channel showed in the first tokens it sealed (both channels of a RoPE pair
-share one, since RoPE rotates them into each other), so the few outlier channels keys are known for
-(KIVI, KVQuant) no longer set the step of every other channel. Why keys are not rounded per channel over
-groups of tokens, as in KIVI: eviction keeps any subset of tokens per head, so the tokens of a token
-group part ways; each survivor would drag its group's per-channel scales along (a scale row per
+Keys and values are stored alike: per token, in groups of channels. Why keys are not rounded per channel
+over groups of tokens, as in KIVI: eviction keeps any subset of tokens per head, so the tokens of a
+token group part ways; each survivor would drag its group's per-channel scales along (a scale row per
 channel for a group that may be down to one token), or be re-rounded with new neighbours, adding error
 at every eviction. A per-token group travels with its token: any ``keep`` is an exact gather, and a
 token is rounded once in its life (re-sealing a token that had to be dequantized gives back the same
-integers, since min-max rounding of grid values is idempotent).
+integers, since min-max rounding of grid values is idempotent). A per-channel key scale in front of
+the per-token rounding (each channel divided by its largest magnitude, RoPE pairs sharing one) was
+measured and made 4 bits worse, not better, on SmolLM2 (docs/results.md), so keys have none.
 
 Everything that reads the cache (attention, and through it every method's scores) sees the
 dequantized tensors (:meth:`QuantizedTokens.dense`); the new block's own keys and values are
@@ -33,8 +32,9 @@ from kvcli.lazy import torch
 
 #: The bit widths ``--kv-bits`` takes: 16 is the model's own precision (nothing quantized).
 KV_BITS = (16, 8, 4, 2)
-#: Channels per scale/zero group (per token): a whole head of 64 channels, or fewer in a smaller head.
-GROUP = 64
+#: Channels per scale/zero group (per token) at each bit width: a whole head of 64 channels at 8 and 4
+#: bits, 32 at 2 bits (64 there more than triples SmolLM2's perplexity; docs/results.md), fewer in a smaller head.
+GROUP = {8: 64, 4: 64, 2: 32}
 #: Most recent tokens of each layer kept at full precision (KIVI's residual).
 RESIDUAL = 32
 #: Bytes of one scale or zero point (fp16).
@@ -53,7 +53,7 @@ class KVQuant:
     """How a cache quantizes: ``bits`` per element, ``group`` channels per scale, ``residual`` full-precision tokens."""
 
     bits: int
-    group: int = GROUP
+    group: int | None = None  # None: GROUP[bits]
     residual: int = RESIDUAL
 
     def __post_init__(self) -> None:
@@ -62,7 +62,7 @@ class KVQuant:
 
     def group_of(self, dim: int) -> int:
         """Channels per group for a head of ``dim`` channels (a divisor of ``dim``)."""
-        group = min(self.group, dim)
+        group = min(self.group or GROUP[self.bits], dim)
         while dim % group:
             group -= 1
         return group
@@ -133,27 +133,14 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     return x.view(*packed.shape[:-1], dim).to(dtype)
 
 
-def channel_scale(x: torch.Tensor, rot_dim: int) -> torch.Tensor:
-    """Per-channel scale ``[1, H, 1, D]`` (fp32) of keys ``x`` ``[1, H, T, D]``: each channel's largest
-    magnitude, the two channels of a RoPE pair (``i`` and ``i + rot_dim / 2``) sharing the larger norm."""
-    x = x.float()
-    scale = x.abs().amax(dim=2, keepdim=True)
-    if rot_dim:
-        half = rot_dim // 2
-        norm = (x[..., :half].square() + x[..., half:rot_dim].square()).sqrt().amax(dim=2, keepdim=True)
-        scale = torch.cat((norm, norm, scale[..., rot_dim:]), dim=-1)
-    return scale.clamp_min(1e-6)
-
-
 class QuantizedTokens:
     """One layer's keys or values ``[1, H, T, D]``: sealed tokens packed, the last ``residual`` at full precision.
 
     Offers what the cache layers need of a tensor (``shape``, ``dtype``, ``device``) plus :meth:`append`,
-    :meth:`dense`, :meth:`gather` and :meth:`nbytes`. ``rot_dim`` is set for keys (the per-channel scale
-    of the module docstring, shared by each RoPE pair); None for values.
+    :meth:`dense`, :meth:`gather` and :meth:`nbytes`. Keys and values are stored alike.
     """
 
-    def __init__(self, like: torch.Tensor, config: KVQuant, rot_dim: int | None = None):
+    def __init__(self, like: torch.Tensor, config: KVQuant):
         _, heads, _, dim = like.shape
         self.config = config
         self.bits = config.bits
@@ -161,13 +148,11 @@ class QuantizedTokens:
         self.dim = dim
         self.dtype = like.dtype
         self.device = like.device
-        self.rot_dim = rot_dim
         width = packed_width(dim, self.bits)
         self.packed = torch.empty((1, heads, 0, width), dtype=torch.uint8, device=self.device)
         self.scale = torch.empty((1, heads, 0, dim // self.group), dtype=torch.float16, device=self.device)
         self.zero = torch.empty_like(self.scale)
         self.tail = like.new_empty((1, heads, 0, dim))
-        self.channels: torch.Tensor | None = None  # keys' per-channel scale, fixed at the first seal
 
     # --- what the cache reads of a tensor ------------------------------------------------------
     @property
@@ -192,10 +177,6 @@ class QuantizedTokens:
         if count <= 0:
             return
         rows = self.tail[:, :, :count]
-        if self.rot_dim is not None:
-            if self.channels is None:
-                self.channels = channel_scale(rows, self.rot_dim)
-            rows = rows.float() / self.channels
         packed, scale, zero = quantize(rows, self.bits, self.group)
         self.packed = torch.cat((self.packed, packed), dim=2)
         self.scale = torch.cat((self.scale, scale), dim=2)
@@ -203,10 +184,7 @@ class QuantizedTokens:
         self.tail = self.tail[:, :, count:].clone()  # a view would keep the sealed rows' memory alive
 
     def _unseal(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        if self.channels is None:
-            return dequantize(packed, scale, zero, self.bits, self.dim, self.dtype)
-        x = dequantize(packed, scale, zero, self.bits, self.dim, torch.float32)
-        return (x * self.channels).to(self.dtype)
+        return dequantize(packed, scale, zero, self.bits, self.dim, self.dtype)
 
     def dense(self) -> torch.Tensor:
         """Every token ``[1, H, T, D]`` in the model's dtype: the sealed ones dequantized, then the residual."""
@@ -245,11 +223,8 @@ class QuantizedTokens:
         self._seal()
 
     def nbytes(self) -> int:
-        """Bytes held: packed integers, scales, zero points, the full-precision residual, the channel scales."""
-        tensors = [self.packed, self.scale, self.zero, self.tail]
-        if self.channels is not None:
-            tensors.append(self.channels)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes held: packed integers, scales, zero points and the full-precision residual."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero, self.tail))
 
 
 def stored(x: torch.Tensor | QuantizedTokens) -> torch.Tensor:
@@ -278,8 +253,7 @@ def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype) -> int:
     """Bytes a plain (non-PoD) cache of ``tokens`` per layer costs on a model with ``config`` at ``bits``.
 
     16 bits: keys and values in ``dtype``. Fewer: every token beyond the residual sealed
-    (:meth:`KVQuant.token_bytes` for keys and values), the residual at full precision, and each
-    layer's per-channel key scales (fp32).
+    (:meth:`KVQuant.token_bytes` for keys and values) and the residual at full precision.
     """
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -291,7 +265,7 @@ def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype) -> int:
     quant = KVQuant(bits)
     residual = min(tokens, quant.residual)
     sealed = tokens - residual
-    per_head = sealed * 2 * quant.token_bytes(head_dim) + residual * full + (head_dim * 4 if sealed else 0)
+    per_head = sealed * 2 * quant.token_bytes(head_dim) + residual * full
     return layers * kv_heads * per_head
 
 

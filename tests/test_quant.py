@@ -52,10 +52,10 @@ def test_rounding_error_is_within_half_a_step(bits):
     assert torch.allclose(again, y, atol=1e-2 * float(step.max()))
 
 
-def store(bits=4, tokens=40, heads=2, dim=16, residual=8, keys=True, seed=0):
+def store(bits=4, tokens=40, heads=2, dim=16, residual=8, seed=0):
     torch.manual_seed(seed)
     x = torch.randn(1, heads, tokens, dim)
-    quant = QuantizedTokens(x[:, :, :0], KVQuant(bits, group=8, residual=residual), rot_dim=dim if keys else None)
+    quant = QuantizedTokens(x[:, :, :0], KVQuant(bits, group=8, residual=residual))
     quant.append(x[:, :, :tokens // 2])
     quant.append(x[:, :, tokens // 2:])
     return x, quant
@@ -69,9 +69,9 @@ def test_a_store_seals_all_but_the_residual_and_reads_back_close():
     assert (dense - x).abs().max() < 0.35  # 4 bits over a range of about 6 (a step of 0.4)
 
 
-@pytest.mark.parametrize("keys", [True, False])
-def test_eviction_keeps_exactly_the_chosen_tokens_per_head(keys):
-    x, quant = store(keys=keys)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_eviction_keeps_exactly_the_chosen_tokens_per_head(bits):
+    x, quant = store(bits=bits)
     before = quant.dense()
     indices = torch.tensor([[0, 3, 5, 20, 33, 38, 39], [1, 2, 30, 31, 32, 36, 39]])
     quant.gather(indices)
@@ -95,9 +95,10 @@ def test_eviction_of_everything_sealed_and_of_nothing():
 def test_bytes_count_packed_payload_scales_zeros_and_residual():
     x, quant = store(bits=4, dim=16)
     # 32 sealed tokens x 2 heads: 8 bytes of 4-bit pairs + 2 groups x (scale + zero) x 2 bytes; residual fp32.
-    expected = 2 * 32 * (8 + 2 * 2 * 2) + 2 * 8 * 16 * 4 + 2 * 16 * 4
+    expected = 2 * 32 * (8 + 2 * 2 * 2) + 2 * 8 * 16 * 4
     assert quant.nbytes() == expected
     assert packed_width(64, 2) == 16 and KVQuant(4).token_bytes(64) == 32 + 4
+    assert KVQuant(8).token_bytes(64) == 64 + 4 and KVQuant(2).token_bytes(64) == 16 + 8  # 2 bits: groups of 32
 
 
 def tiny(dtype=torch.bfloat16):
