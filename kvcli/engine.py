@@ -5,15 +5,17 @@ blocks of ``block`` tokens, scores every token exactly once (the NLL of token t 
 logits at t-1, carried across block boundaries), and after every block lets the method shrink each
 layer back to its budget. Positions are re-assigned inside the cache (see :mod:`kvcli.cache`), so
 the stream can be far longer than the model's trained context while memory stays flat.
+
+The parts live in their own modules: the block loop and its totals in :mod:`kvcli.streaming`, the
+compression step (every budgeted layer after a forward, and the nested forward) in
+:mod:`kvcli.compression`, the positions a block gets in :mod:`kvcli.positions`. Their public names
+are importable from here too.
 """
 
 from __future__ import annotations
 
-import math
-import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -21,69 +23,18 @@ from kvcli.architecture import describe
 from kvcli.cache import KVCache, LayerView
 from kvcli.errors import UnsupportedModelError, UsageError
 from kvcli.methods.base import Method
+from kvcli.streaming import (
+    BlockStats,
+    LogitsHook,
+    StreamState,
+    StreamTotals,
+    blocks_of,
+    score_sliding,
+    score_stream,
+)
 
-#: Sees the log-probabilities ``[rows, V]`` of scored tokens and their targets ``[rows]``, in stream order.
-LogitsHook = Callable[[torch.Tensor, torch.Tensor], None]
-
-
-@dataclass
-class BlockStats:
-    """One block of a scored stream, for ``--jsonl`` curves and progress."""
-
-    position: int  # index in the stream of the block's last token
-    tokens: int  # tokens scored in this block
-    nll: float  # mean NLL of those tokens (nats)
-    cache_tokens: int  # largest per-layer cache size after compression
-    tokens_per_second: float
-
-
-@dataclass
-class StreamTotals:
-    """Running totals of a scored stream; everything a report needs, even after Ctrl-C."""
-
-    tokens: int = 0  # scored tokens
-    processed: int = 0  # tokens run through the model (scored or not)
-    nll_sum: float = 0.0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    max_cache_tokens: int = 0
-    kv_cache_bytes: int = 0
-    interrupted: bool = False
-    blocks: list[BlockStats] = field(default_factory=list)
-
-    @property
-    def nll(self) -> float:
-        return self.nll_sum / self.tokens if self.tokens else float("nan")
-
-    @property
-    def ppl(self) -> float:
-        return math.exp(self.nll) if self.tokens else float("nan")
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.processed / self.seconds if self.seconds > 0 else 0.0
-
-    def add(self, other: StreamTotals) -> None:
-        self.tokens += other.tokens
-        self.processed += other.processed
-        self.nll_sum += other.nll_sum
-        self.num_bytes += other.num_bytes
-        self.seconds += other.seconds
-        self.max_cache_tokens = max(self.max_cache_tokens, other.max_cache_tokens)
-        self.kv_cache_bytes = max(self.kv_cache_bytes, other.kv_cache_bytes)
-        self.interrupted = self.interrupted or other.interrupted
-
-
-@dataclass
-class StreamState:
-    """Where a scored stream stands after a block: all a later process needs to continue it exactly
-    (the cache, the totals, the last hidden state that scores the next block's first token, and how
-    many tokens of the stream were read)."""
-
-    cache: KVCache
-    totals: StreamTotals
-    previous: torch.Tensor | None = None
-    position: int = 0
+__all__ = ["DEFAULT_BLOCK", "BlockStats", "Engine", "LogitsHook", "StreamState", "StreamTotals", "blocks_of",
+           "budget_for_bytes", "check_budget", "default_block", "kv_bytes_per_token"]
 
 
 def check_budget(method: Method, budget: int | None) -> int | None:
@@ -362,115 +313,26 @@ class Engine:
               state: StreamState | None = None,
               on_state: Callable[[StreamState], None] | None = None,
               on_logits: LogitsHook | None = None) -> StreamTotals:
-        """Stream tokens through the model and sum the NLL of every token after the first.
+        """Stream tokens through the model and sum the NLL of every token after the first (the block
+        loop is :func:`kvcli.streaming.score_stream`).
 
         ``score_from`` skips scoring the first tokens (they are still read into the cache), for the
         sliding-window protocol. Ctrl-C ends the stream early with what was measured so far: the totals
         of the blocks scored whole, nothing of the block it cut.
         ``state`` continues a stream from a checkpoint (``token_chunks`` then hold the tokens after
         ``state.position``); ``on_state`` sees the state after every block, for checkpoints.
-        ``on_logits`` sees the scored tokens' log-probabilities (KL against a reference).
+        ``on_logits`` sees the scored tokens' log-probabilities (KL against a reference). Each block's
+        NLL reaches the host once; on a GPU one block late (:attr:`lag_host_reads`).
         """
-        cache = state.cache if state else (cache or self.new_cache())
-        totals = state.totals if state else StreamTotals()
-        previous: torch.Tensor | None = state.previous if state else None  # last hidden state of the previous block
-        stream_pos = state.position if state else 0
-        started = time.perf_counter() - totals.seconds
-        # A block's NLL reaches the host (the one read per block, for progress and totals) only after
-        # the next block has been queued, so a GPU never idles waiting for the host; checkpoints need
-        # the state of the block just done, so they read at once.
-        lag = self.lag_host_reads and on_state is None
-        pending: list[tuple] = []  # blocks whose NLL is still on the device
-        clock = [time.perf_counter()]
-
-        def settle() -> None:
-            nll, scored, size, position, cache_tokens, cache_bytes = pending.pop(0)
-            value = float(nll)
-            now = time.perf_counter()
-            elapsed, clock[0] = now - clock[0], now
-            totals.tokens += scored
-            totals.processed += size
-            totals.nll_sum += value
-            totals.kv_cache_bytes = cache_bytes
-            stats = BlockStats(position, scored, value / scored if scored else float("nan"), cache_tokens,
-                               size / elapsed if elapsed > 0 else 0.0)
-            totals.blocks.append(stats)
-            if on_block:
-                on_block(stats, totals)
-
-        try:
-            for ids in blocks_of(token_chunks, self.block, limit=None if max_tokens is None else max_tokens + 1):
-                hidden = self.forward(cache, ids[None, :])
-                predictors = hidden[:-1] if previous is None else torch.cat((previous, hidden[:-1]))
-                targets = ids[1:] if previous is None else ids
-                first = stream_pos + (1 if previous is None else 0)  # stream index of targets[0]
-                skip = max(0, min(score_from - first, targets.shape[0]))
-                nll = self.token_nll(predictors[skip:], targets[skip:], on_logits=on_logits).sum()
-                previous = hidden[-1:]
-                stream_pos += ids.shape[0]
-                cache_tokens = cache.max_tokens()
-                totals.max_cache_tokens = max(totals.max_cache_tokens, cache_tokens)
-                cache_bytes = cache.nbytes()
-                if pending:
-                    settle()
-                pending.append((nll, targets.shape[0] - skip, ids.shape[0], stream_pos - 1, cache_tokens, cache_bytes))
-                if not lag:
-                    settle()
-                if on_state:
-                    totals.seconds = time.perf_counter() - started
-                    on_state(StreamState(cache, totals, previous, stream_pos))
-        except KeyboardInterrupt:
-            totals.interrupted = True
-        while pending:
-            settle()
-        totals.seconds = time.perf_counter() - started
-        # After Ctrl-C the cache may hold part of a block that was never scored: every figure, the cache's
-        # bytes included, is that of the last block whose tokens the totals count.
-        if not totals.interrupted:
-            totals.kv_cache_bytes = cache.nbytes()
-        return totals
-
+        return score_stream(self, token_chunks, max_tokens=max_tokens, cache=cache, score_from=score_from,
+                            on_block=on_block, state=state, on_state=on_state, on_logits=on_logits)
 
     def score_sliding(self, token_chunks: Iterable[list[int] | torch.Tensor], context: int, stride: int, *,
                       lead: Sequence[int] = (), on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
                       on_logits: LogitsHook | None = None) -> StreamTotals:
-        """The papers' sliding-window protocol (TreeKV Table 1, Hugging Face's perplexity guide).
-
-        Windows of ``context`` tokens start every ``stride`` tokens; each is streamed from an empty
-        cache and only the tokens not scored by an earlier window count (the last ``stride`` ones,
-        all of them for the first window). Only the current window is held in memory.
-
-        ``lead`` (the tokenizer's BOS, when the stream starts with it) begins every window after the
-        first too, read but never scored, so that each window starts as a document does: a model
-        trained with a BOS in front (Gemma) scores much worse without it (docs/results.md).
-        """
-        if stride < 1 or context < stride or context - len(lead) < 2:
-            raise ValueError("need 1 <= stride <= context, and room for two tokens after the lead")
-        totals = StreamTotals()
-        source = iter(chunk.tolist() if isinstance(chunk, torch.Tensor) else list(chunk) for chunk in token_chunks)
-        buffer: list[int] = []  # tokens from stream index `begin` on
-        begin = scored_end = 0
-        exhausted = False
-        while True:
-            while not exhausted and len(buffer) < context:
-                try:
-                    buffer.extend(next(source))
-                except StopIteration:
-                    exhausted = True
-            head = list(lead) if begin > 0 else []
-            body = buffer[:context - len(head)]
-            if len(body) < 2 or (scored_end > 0 and begin + len(body) <= scored_end):
-                break
-            part = self.score([head + body], score_from=scored_end - begin + len(head), on_block=on_block,
-                              on_logits=on_logits)
-            totals.add(part)
-            totals.blocks.extend(part.blocks)
-            scored_end = begin + len(body)
-            if part.interrupted or (exhausted and len(buffer) <= len(body)):
-                break
-            buffer = buffer[stride:]
-            begin += stride
-        return totals
+        """The papers' sliding-window protocol: windows of ``context`` tokens every ``stride``, each from an
+        empty cache, ``lead`` read in front of every window after the first (:func:`kvcli.streaming.score_sliding`)."""
+        return score_sliding(self, token_chunks, context, stride, lead=lead, on_block=on_block, on_logits=on_logits)
 
 
 def _gather_inputs(args: tuple, kwargs: dict, rows: torch.Tensor, offsets: torch.Tensor) -> tuple[tuple, dict]:
@@ -495,26 +357,6 @@ def _gather_inputs(args: tuple, kwargs: dict, rows: torch.Tensor, offsets: torch
         if isinstance(value, torch.Tensor):
             kwargs[name] = value.index_select(value.dim() - 1, offsets)
     return args, kwargs
-
-
-def blocks_of(chunks: Iterable[list[int] | torch.Tensor], size: int,
-              limit: int | None = None) -> Iterator[torch.Tensor]:
-    """Regroup a stream of token chunks into tensors of ``size`` tokens (the last may be shorter)."""
-    pending: list[int] = []
-    taken = 0
-    for chunk in chunks:
-        ids = chunk.tolist() if isinstance(chunk, torch.Tensor) else list(chunk)
-        if limit is not None:
-            ids = ids[: limit - taken]
-        taken += len(ids)
-        pending.extend(ids)
-        while len(pending) >= size:
-            yield torch.tensor(pending[:size], dtype=torch.long)
-            pending = pending[size:]
-        if limit is not None and taken >= limit:
-            break
-    if pending:
-        yield torch.tensor(pending, dtype=torch.long)
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
