@@ -189,3 +189,15 @@ def test_cli_bad_kv_bits_is_one_line(tmp_path, command, value):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--kv-bits must be 16, 8, 4 or 2" in lines[0]
     assert result.stdout == ""
+
+
+def test_bench_grid_has_kv_bits_as_an_axis_and_old_runs_are_16_bits():
+    from kvcli.bench.grid import plan_grid
+    from kvcli.bench.results import run_key
+
+    specs = plan_grid(["full", "treekv"], [64], kv_bits=[16, 4])
+    assert [(s.method, s.budget, s.kv_bits) for s in specs] == [
+        ("full", None, 16), ("full", None, 4), ("treekv", 64, 16), ("treekv", 64, 4)]
+    assert specs[-1].label == "treekv · cache 64 · 4-bit"
+    old = {"method": "treekv", "cache": 64, "params": {}}  # a results.json row from before --kv-bits
+    assert run_key(old) == run_key({**old, "kv_bits": 16}) != run_key({**old, "kv_bits": 4})
