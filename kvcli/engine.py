@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from kvcli.architecture import describe
-from kvcli.cache import KVCache, LayerView
+from kvcli.cache import KVCache
+from kvcli.compression import compress_cache, layer_budgets, nested_forward
 from kvcli.errors import UnsupportedModelError, UsageError
 from kvcli.methods.base import Method
 from kvcli.streaming import (
@@ -117,16 +118,7 @@ class Engine:
         self.head = model.get_output_embeddings()
 
     def _layer_budgets(self) -> list[int | None] | None:
-        """Each layer's budget: the method spreads it over the full-attention layers only, since a layer
-        with an attention window keeps its window whatever the method (None: that layer, or no budget)."""
-        if not self.budget:
-            return None
-        budgeted = self.architecture.budgeted
-        budgets: list[int | None] = [None] * self.num_layers
-        if budgeted:
-            for idx, value in zip(budgeted, self.method.layer_budgets(self.budget, len(budgeted)), strict=True):
-                budgets[idx] = value
-        return budgets
+        return layer_budgets(self.method, self.architecture, self.budget, self.num_layers)
 
     def new_cache(self) -> KVCache:
         return self.method.new_cache(self.model).quantize(self.kv_bits)
@@ -192,54 +184,10 @@ class Engine:
         return self.method.nests() and len(self.architecture.budgeted) == self.num_layers
 
     def _run_nested(self, cache: KVCache, ids: torch.Tensor, done: set[int], question: int = 0) -> torch.Tensor:
-        """One forward in which layer ``l + 1`` processes only the tokens layer ``l`` passes on (Algorithm 1
-        of PyramidInfer: ``KV <- PvC``; the authors' code gathers the kept tokens' hidden states).
-
-        A forward pre-hook on every decoder layer after the first compresses the layer below (its
-        attention was just recorded) and gathers the per-token inputs of the layer (hidden states,
-        ``position_embeddings``, ``position_ids``) down to the block's tokens that go on; the cache
-        layers learn which tokens they receive from ``cache.subset`` (their offsets in the block).
-        """
-        n = ids.shape[1]
-        layers = self.decoder.layers
-        state = {"subset": torch.arange(n, device=self.device)}  # offsets in the block the next layer receives
-
-        def before(idx: int):
-            def hook(module, args, kwargs):
-                below = idx - 1
-                layer = cache.layers[below]
-                tokens = layer.token_idx  # [H, T], before the layer stores its choice
-                view = LayerView(below, self.num_layers, layer, n, layer.record, seen=cache.stream_start + n,
-                                 mean_budget=self.budget, question=question)
-                keep, passed = self.method.compress_nested(view, self.budgets[below])
-                if keep is not None:
-                    layer.keep(keep)
-                done.add(below)
-                current = kept = state["subset"]
-                if passed is not None:  # a token goes on when any KV head passes it (hidden states are per token)
-                    offsets = torch.unique(tokens.gather(1, passed)) - cache.stream_start
-                    kept = offsets[offsets >= 0]  # the block's tokens that go on, ascending
-                state["subset"] = cache.subset = kept
-                if kept.shape[0] == n:
-                    return None  # every token goes on: the model's inputs are right as they are
-                # The hidden states hold the tokens the layer below processed (`current`); the model hands
-                # every layer the whole block's positions.
-                rows = torch.searchsorted(current, kept)
-                return _gather_inputs(args, kwargs, rows, kept)
-            return hook
-
-        def first(module, args, kwargs):
-            cache.subset = state["subset"]
-
-        handles = [layers[0].register_forward_pre_hook(first, with_kwargs=True)]
-        handles += [layers[idx].register_forward_pre_hook(before(idx), with_kwargs=True)
-                    for idx in range(1, len(layers))]
-        try:
-            return self._run(cache, ids, store=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-            cache.subset = None
+        """One forward in which each layer is compressed before the next runs, which processes only the
+        tokens it passes on (:func:`kvcli.compression.nested_forward`); ``done`` gets the layers compressed."""
+        return nested_forward(lambda: self._run(cache, ids, store=True), self.method, cache, self.decoder.layers,
+                              self.budgets, self.budget, ids.shape[1], self.device, done, question)
 
     def _run(self, cache: KVCache, ids: torch.Tensor, store: bool) -> torch.Tensor:
         start = cache.next_position()
@@ -291,21 +239,9 @@ class Engine:
 
     def compress(self, cache: KVCache, num_new: int, decoding: bool = False, skip: set[int] = frozenset(),
                  question: int = 0) -> None:
-        """Let the method shrink every layer the budget governs; a window layer already keeps only its window.
-
-        The method sees the budgeted layers numbered among themselves, as it allotted their budgets.
-        ``skip`` holds layers a nested forward compressed already; ``question`` is how many of the
-        last tokens are the question (:attr:`LayerView.question`).
-        """
-        budgeted = self.architecture.budgeted
-        chosen = [(depth, idx) for depth, idx in enumerate(budgeted) if idx not in skip]
-        views = [LayerView(depth, len(budgeted), cache.layers[idx], num_new, cache.layers[idx].record, decoding,
-                           seen=cache.stream_start, mean_budget=self.budget, question=question)
-                 for depth, idx in chosen]
-        kept = self.method.compress_layers(views, [self.budgets[idx] for _, idx in chosen])
-        for view, keep in zip(views, kept, strict=True):
-            if keep is not None:
-                view.layer.keep(keep)
+        """Let the method shrink every layer the budget governs (:func:`kvcli.compression.compress_cache`)."""
+        compress_cache(self.method, cache, self.architecture.budgeted, self.budgets, self.budget, num_new, decoding,
+                       skip, question)
 
     def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, max_tokens: int | None = None,
               cache: KVCache | None = None, score_from: int = 0,
@@ -333,30 +269,6 @@ class Engine:
         """The papers' sliding-window protocol: windows of ``context`` tokens every ``stride``, each from an
         empty cache, ``lead`` read in front of every window after the first (:func:`kvcli.streaming.score_sliding`)."""
         return score_sliding(self, token_chunks, context, stride, lead=lead, on_block=on_block, on_logits=on_logits)
-
-
-def _gather_inputs(args: tuple, kwargs: dict, rows: torch.Tensor, offsets: torch.Tensor) -> tuple[tuple, dict]:
-    """A decoder layer's inputs cut down to some of the block's tokens, for a nested forward.
-
-    ``rows`` index the incoming hidden states (the tokens the previous layer processed); ``offsets``
-    index the block, which is what the model passes every layer (rotary ``position_embeddings``,
-    ``position_ids``). kvcli's attention builds its own masks, so the model passes no mask to gather.
-    """
-    if kwargs.get("attention_mask") is not None:
-        raise UnsupportedModelError("a nested forward needs kvcli's own masks, but the model passed one")
-    kwargs = dict(kwargs)
-    if args:
-        args = (args[0].index_select(1, rows), *args[1:])
-    else:
-        kwargs["hidden_states"] = kwargs["hidden_states"].index_select(1, rows)
-    cos_sin = kwargs.get("position_embeddings")
-    if cos_sin is not None:
-        kwargs["position_embeddings"] = tuple(part.index_select(1, offsets) for part in cos_sin)
-    for name in ("position_ids", "cache_position"):
-        value = kwargs.get(name)
-        if isinstance(value, torch.Tensor):
-            kwargs[name] = value.index_select(value.dim() - 1, offsets)
-    return args, kwargs
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
