@@ -40,7 +40,8 @@ def compress_cache(method: Method, cache: KVCache, budgeted: Sequence[int], budg
     """Let ``method`` shrink every layer in ``budgeted``; a window layer already keeps only its window.
 
     The method sees the budgeted layers numbered among themselves, as it allotted their budgets, all
-    in one call (:meth:`Method.compress_layers`: layers that stand alike are compressed as one batch).
+    in one call (:meth:`Method.compress_layers`: layers that stand alike are compressed as one batch),
+    unless ``compress`` was replaced on the instance, which is then called for each layer.
     ``skip`` holds layers a nested forward compressed already; ``question`` is how many of the last
     tokens are the question (:attr:`LayerView.question`).
     """
@@ -48,7 +49,11 @@ def compress_cache(method: Method, cache: KVCache, budgeted: Sequence[int], budg
     views = [LayerView(depth, len(budgeted), cache.layers[idx], num_new, cache.layers[idx].record, decoding,
                        seen=cache.stream_start, mean_budget=mean_budget, question=question)
              for depth, idx in chosen]
-    kept = method.compress_layers(views, [budgets[idx] for _, idx in chosen])
+    wanted = [budgets[idx] for _, idx in chosen]
+    if "compress" in vars(method):  # compress replaced on the instance (a wrapper, a spy): honoured layer by layer
+        kept = Method.compress_layers(method, views, wanted)
+    else:
+        kept = method.compress_layers(views, wanted)
     for view, keep in zip(views, kept, strict=True):
         if keep is not None:
             view.layer.keep(keep)

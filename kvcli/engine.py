@@ -22,8 +22,9 @@ import torch
 from kvcli.architecture import describe
 from kvcli.cache import KVCache
 from kvcli.compression import compress_cache, layer_budgets, nested_forward
-from kvcli.errors import UnsupportedModelError, UsageError
+from kvcli.errors import UsageError
 from kvcli.methods.base import Method
+from kvcli.positions import BlockPositions
 from kvcli.streaming import (
     BlockStats,
     LogitsHook,
@@ -110,7 +111,7 @@ class Engine:
         self.trained_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self.budgets = self._layer_budgets()
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
-        self._warned_context = False
+        self.positions = BlockPositions(self.architecture.rope_limit, self.trained_context, self.warn)
         self.decoder = model.get_decoder()
         #: Read each block's NLL to the host one block late (see :meth:`score`): on a GPU only, where
         #: reading at once would stall the device once per block.
@@ -190,20 +191,7 @@ class Engine:
                               self.budgets, self.budget, ids.shape[1], self.device, done, question)
 
     def _run(self, cache: KVCache, ids: torch.Tensor, store: bool) -> torch.Tensor:
-        start = cache.next_position()
-        cache.block_start = start
-        end = start + ids.shape[1]
-        limit = self.architecture.rope_limit
-        if limit and end > limit:
-            raise UnsupportedModelError(
-                f"positions reach {end}, past {limit}, where this model's RoPE switches to other frequencies: "
-                "kvcli cannot re-rotate keys across that switch (use a compressing method whose budget plus "
-                f"block stays within {limit} positions)")
-        if self.trained_context and end > self.trained_context and not self._warned_context:
-            self._warned_context = True
-            self.warn(f"positions reach {end}, past the model's trained context of {self.trained_context}: "
-                      "quality will degrade (use a compressing method or a smaller budget or block)")
-        positions = torch.arange(start, end, device=self.device)[None, :]
+        positions = self.positions.place(cache, ids.shape[1], self.device)
         cache.probing = not store
         try:
             out = self.decoder(input_ids=ids.to(self.device), position_ids=positions, past_key_values=cache,
