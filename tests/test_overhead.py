@@ -17,8 +17,10 @@ from kvcli.models import tiny_llama
 BUDGET, BLOCK = 64, 32
 
 #: Engine operations per block (forward and compression) relative to a plain forward of the same block.
-#: Measured values are in docs/benchmarks.md; the bounds leave a little room above them.
-BOUNDS = {"streamingllm": 1.7, "snapkv": 2.0, "pyramidkv": 2.0, "treekv": 2.85}
+#: Measured values are in docs/benchmarks.md; the bounds leave a little room above them. (At this toy
+#: shape the model's own operations are few, so the engine's per-layer work weighs more than at a real one.)
+BOUNDS = {"streamingllm": 1.6, "snapkv": 1.7, "pyramidkv": 1.8, "treekv": 1.9, "h2o": 1.72, "tova": 1.7,
+          "pyramidinfer": 1.86}
 
 
 @pytest.mark.parametrize("name", sorted(BOUNDS))
