@@ -220,7 +220,8 @@ class TreeKV(Method):
     def _guarded(self, views: list[LayerView], lo: int, hi: int, selected: int) -> torch.Tensor | None:
         """Tree-region indices ``[R, g]`` (ascending) around the probe's attention peaks, or None.
 
-        The question's attention to the region, max-pooled over ``kernel`` neighbours so that a peak
+        The question's attention to the region (the most any query head of the KV head pays), max-pooled over
+        ``kernel`` neighbours so that a peak
         guards its span, picks the top ``guard`` tokens per KV head (at most half the selected part,
         so the sweep still has room); ties go to the earlier token, as in :func:`select_top`. How
         large it must be is measured in docs/reading.md.
@@ -229,7 +230,9 @@ class TreeKV(Method):
         count = min(self.guard, selected // 2)
         if record is None or record.probe is None or count < 1:
             return None
-        probe = layer_rows([view.record.probe for view in views]).mean(dim=1)
+        # Max, not mean, over the query heads of a KV head: a needle one query head finds is not diluted
+        # by the heads that look elsewhere (the SnapKV reference scores per query head; review finding 5).
+        probe = layer_rows([view.record.probe for view in views]).amax(dim=1)
         probe = pool_scores(probe[:, lo:hi].float(), self.kernel, "max")
         return select_top(probe, torch.zeros(hi - lo, dtype=torch.bool, device=probe.device), count)
 
