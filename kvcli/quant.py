@@ -16,7 +16,7 @@ at every eviction. A per-token group travels with its token: any ``keep`` is an 
 token is rounded once in its life (re-sealing a token that had to be dequantized gives back the same
 integers, since min-max rounding of grid values is idempotent). A per-channel key scale in front of
 the per-token rounding (each channel divided by its largest magnitude, RoPE pairs sharing one) was
-measured and made 4 bits worse, not better, on SmolLM2 (docs/results.md), so keys have none.
+not used: it does not help on SmolLM2 (numbers in docs/results.md), so keys have none.
 
 Everything that reads the cache (attention, and through it every method's scores) sees the
 dequantized tensors (:meth:`QuantizedTokens.dense`); the new block's own keys and values are

@@ -231,7 +231,7 @@ class TreeKV(Method):
         if record is None or record.probe is None or count < 1:
             return None
         # Max, not mean, over the query heads of a KV head: a needle one query head finds is not diluted
-        # by the heads that look elsewhere (the SnapKV reference scores per query head; review finding 5).
+        # by the heads that look elsewhere (as the SnapKV reference, which scores per query head).
         probe = layer_rows([view.record.probe for view in views]).amax(dim=1)
         probe = pool_scores(probe[:, lo:hi].float(), self.kernel, "max")
         return select_top(probe, torch.zeros(hi - lo, dtype=torch.bool, device=probe.device), count)
