@@ -29,6 +29,10 @@ from typing import Any, BinaryIO
 from kvcli.errors import KvcliError, UsageError
 
 DEFAULT_CHUNK_CHARS = 1 << 20
+# Reads start this small and double up to ``chunk_chars``: the first block waits only for a small
+# piece to be tokenized (a command reading 64 tokens of a book tokenizes kilobytes, not a megabyte),
+# while a long stream soon reads in large pieces.
+_FIRST_READ = 1 << 14
 
 # A tokenizer only sees text up to the end of the current buffer, so the last few tokens it
 # produces may change once more text arrives (a word or a whitespace run can continue).  A
@@ -238,8 +242,10 @@ def _decode(
     make_decoder = codecs.getincrementaldecoder(encoding or "utf-8-sig")
     decoder = make_decoder("strict")
     strict = True
+    size = min(_FIRST_READ, chunk_chars)
     while True:
-        data = stream.read(chunk_chars)
+        data = stream.read(size)
+        size = min(2 * size, chunk_chars)
         if tally is not None:
             tally.update(data)
         final = not data

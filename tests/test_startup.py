@@ -47,3 +47,32 @@ def test_listings_import_no_torch(args, config_home):
 def test_usage_errors_import_no_torch(args, book):
     result = probe(*[str(book) if arg == "BOOK" else arg for arg in args])
     assert result == {"code": 2, "heavy": []}
+
+
+def _kvcli_process(*args: str) -> subprocess.CompletedProcess:
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run([sys.executable, "-m", "kvcli", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_command_that_loaded_torch_leaves_with_everything_written(invoke, tiny_model_dir, book, tmp_path):
+    """Such a process ends without the interpreter's teardown (``cli.app._leave``): the result on stdout, a
+    ``--jsonl`` file and the exit code are what an in-process run gives."""
+    curve = tmp_path / "curve.jsonl"
+    args = ["ppl", str(book), "--model", str(tiny_model_dir), "--cache", "48", "--block", "16", "--json", "--quiet"]
+    done = _kvcli_process(*args, "--jsonl", str(curve))
+    assert done.returncode == 0, done.stderr
+    expected = json.loads(invoke(*args).stdout)
+    assert json.loads(done.stdout)["nll"] == expected["nll"]
+    rows = [json.loads(line) for line in curve.read_text().splitlines()]
+    assert sum(row["tokens"] for row in rows) == expected["tokens"]
+
+
+def test_an_error_after_torch_is_loaded_keeps_its_line_and_exit_code(tiny_model_dir, tmp_path):
+    empty = tmp_path / "blank.txt"
+    empty.write_text("   \n")
+    done = _kvcli_process("ppl", str(empty), "--model", str(tiny_model_dir), "--json")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [f"kvcli: error: input is empty: {empty}"]

@@ -91,14 +91,51 @@ def main() -> None:
         sys.exit(1)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        app()
-    except KeyboardInterrupt:
-        print("kvcli: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except BrokenPipeError:
-        sys.exit(0)
-    finally:
-        # The way out is not interrupted: a second Ctrl-C while the interpreter runs its exit handlers (joining
-        # a loader's threads, closing a FIFO) would print their traceback instead of ending quietly.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            app()
+        except KeyboardInterrupt:
+            print("kvcli: interrupted", file=sys.stderr)
+            sys.exit(130)
+        except BrokenPipeError:
+            sys.exit(0)
+        finally:
+            # The way out is not interrupted: a second Ctrl-C while the interpreter runs its exit handlers
+            # (closing a FIFO) would print their traceback instead of ending quietly.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except SystemExit as exc:
+        _leave(exc.code)
+    _leave(0)
+
+
+def _leave(code: object) -> None:
+    """End the process with ``code`` (a ``SystemExit`` code), without the interpreter's teardown once torch
+    is loaded.
+
+    Freeing the modules torch and transformers import takes a good part of a short command's time
+    (docs/benchmarks.md, start-up), and nothing kvcli needs happens in it: files are closed by their own
+    ``with`` blocks before this point, exit handlers run here, both streams are flushed. With other threads
+    alive (a data set loader's) or torch never imported, the usual exit runs.
+    """
+    import threading
+
+    if "torch" not in sys.modules or threading.active_count() > 1:
+        sys.exit(code)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)  # what sys.exit does with a message
+        code = 1
+    import atexit
+    import os
+
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if run_exit_handlers is None:  # an interpreter without it: exit the usual way
+        sys.exit(code)
+    run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (a closed pipe) loses nothing of ours
+            pass
+    os._exit(code)
