@@ -48,8 +48,8 @@ MethodsOptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", he
                                                             "every listed method that has it, or METHOD.KEY=VALUE "
                                                             "for one (repeatable).")]
 KvBitsOpt = Annotated[str, typer.Option("--kv-bits", help="Bits per cached key and value element: 16 (the "
-                                        "model's precision), 8, 4 or 2 (packed; keys with per-channel scales, "
-                                        "values per token, the last 32 tokens at full precision).")]
+                                        "model's precision), 8, 4 or 2 (packed; keys and values rounded per token in "
+                                        "groups of channels, the last 32 tokens at full precision).")]
 DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="Folder of .txt books for the pg19 source "
                                                  "when offline (or set KVCLI_DATA).")]
 RowsOpt = Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per document to this file as "
