@@ -124,22 +124,16 @@ class CompressedLayer(CacheLayerMixin):
         values = torch.cat((stored(self.values), value_states), dim=-2)
         if owner.probing:  # query-aware scoring: attend, record, but keep nothing
             return keys, values
-        new = key_states.shape[-2]
-        heads = key_states.shape[1]
-        if owner.subset is None:
-            offsets = torch.arange(new, device=self.device)
-        else:  # a nested forward: this layer sees only the block's tokens the layer below kept
-            offsets = owner.subset.to(self.device)
-        positions = owner.block_start + offsets
-        tokens = owner.stream_start + offsets
+        positions, tokens = owner.new_entries(key_states.shape[1], key_states.shape[-2], self.device)
         if isinstance(self.keys, QuantizedTokens):
             self.keys.append(key_states)
             self.values.append(value_states)
         else:
-            self.keys = torch.cat((self.keys, key_states), dim=-2)
+            # Keys that did not move are stored as attention reads them: one concatenation serves both.
+            self.keys = keys if cached is self.keys else torch.cat((self.keys, key_states), dim=-2)
             self.values = values
-        self.entry_pos = torch.cat((self.entry_pos, positions.expand(heads, new)), dim=-1)
-        self.token_idx = torch.cat((self.token_idx, tokens.expand(heads, new)), dim=-1)
+        self.entry_pos = torch.cat((self.entry_pos, positions), dim=-1)
+        self.token_idx = torch.cat((self.token_idx, tokens), dim=-1)
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -171,14 +165,38 @@ class CompressedLayer(CacheLayerMixin):
         length = self.get_seq_length()
         return torch.arange(block_start - length, block_start, device=self.device)
 
+    def needs_rotation(self, block_start: int) -> bool:
+        """Whether a forward starting at ``block_start`` sees some cached key away from where it entered."""
+        length = self.get_seq_length()
+        return not (length == 0 or self.owner.keep_positions or (not self.moved and block_start == length))
+
     def current_keys(self, block_start: int) -> torch.Tensor:
         """Cached keys rotated to their current positions (a no-op until an eviction moves them)."""
-        length = self.get_seq_length()
         keys = stored(self.keys)  # dequantized when the cache is quantized
-        if length == 0 or self.owner.keep_positions or (not self.moved and block_start == length):
+        if not self.needs_rotation(block_start):
             return keys  # every key still sits where it entered
+        joined = self.owner.rotated(self, block_start)  # rotated with other layers' at once (KVCache.plan_rotation)
+        if joined is not None:
+            return joined
         delta = self.current_positions(block_start)[None, :] - self.entry_pos
         return rotate_keys(keys, delta, self.inv_freq)
+
+    def join_kind(self, rotation: bool) -> tuple | None:
+        """What layers must share for their keys to be rotated (``rotation``) or their tokens kept as one batch
+        (:mod:`kvcli.joined`); None: this layer does it alone (a quantized store, a layer with its own layout).
+        """
+        own = type(self).current_keys if rotation else type(self).keep
+        if own is not (CompressedLayer.current_keys if rotation else CompressedLayer.keep):
+            return None
+        if not (isinstance(self.keys, torch.Tensor) and isinstance(self.values, torch.Tensor)):
+            return None
+        shape = (self.keys.shape[1], self.keys.shape[-1], self.keys.dtype, self.keys.device)
+        if rotation:
+            return (*shape, self.owner.freq_group[self.layer_idx])
+        length = self.get_seq_length()
+        if any(value.shape[1] != length for value in self.state.values()):
+            return None
+        return (*shape, self.values.shape[-1], tuple((name, value.dtype) for name, value in self.state.items()))
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -195,7 +213,9 @@ class CompressedLayer(CacheLayerMixin):
         return None
 
     def keep(self, indices: torch.Tensor) -> None:
-        """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending), dropping the rest."""
+        """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending), dropping the rest.
+
+        :meth:`KVCache.keep_layers` does the same for many layers at once."""
         self.keys = gather_tokens(self.keys, indices)
         self.values = gather_tokens(self.values, indices)
         self.entry_pos = self.entry_pos.gather(1, indices)
@@ -259,6 +279,89 @@ class KVCache(Cache):
         #: In a nested forward (PyramidInfer, see :meth:`kvcli.engine.Engine.forward`), the offsets in the
         #: block ``[n_l]`` (ascending) of the tokens the current layer receives; None: every token of the block.
         self.subset: torch.Tensor | None = None
+        #: Layers whose RoPE frequencies are equal share a number here: their keys rotate as one batch.
+        self.freq_group = _equal_groups(self.inv_freqs)
+        self._entries: tuple | None = None
+        self._rotation_start: int | None = None
+        self._pending: dict[int, list[CompressedLayer]] = {}
+        self._rotated: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def new_entries(self, heads: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entry positions and stream indices ``[heads, count]`` of the tokens a layer appends in this forward.
+
+        Every layer of a forward appends the same tokens (unless a nested forward gives it a ``subset``),
+        so they are made once per forward, not once per layer."""
+        key = (self.block_start, self.stream_start, heads, count, device)
+        if self._entries is not None and self._entries[0] == key and self._entries[1] is self.subset:
+            return self._entries[2], self._entries[3]
+        if self.subset is None:
+            offsets = torch.arange(count, device=device)
+        else:  # a nested forward: this layer sees only the block's tokens the layer below kept
+            offsets = self.subset.to(device)
+        positions = (self.block_start + offsets).expand(heads, count)
+        tokens = (self.stream_start + offsets).expand(heads, count)
+        self._entries = (key, self.subset, positions, tokens)
+        return positions, tokens
+
+    def plan_rotation(self) -> None:
+        """Before a forward: rotate the cached keys of layers that stand alike as one batch each
+        (:func:`kvcli.joined.rotated_keys`) when the first of them asks (:meth:`rotated`), rather than
+        one layer at a time. A batch is computed when first needed, so only one batch's rotated keys
+        wait beside the cache."""
+        from kvcli.joined import batches
+
+        self.clear_rotation()
+        start = self.block_start
+        kinds: dict[tuple, list[CompressedLayer]] = {}
+        for layer in self.layers:
+            kind = layer.join_kind(rotation=True) if layer.needs_rotation(start) else None
+            if kind is not None:
+                kinds.setdefault(kind, []).append(layer)
+        for layers in kinds.values():
+            for batch in batches([layer.keys.numel() for layer in layers]):
+                members = [layers[i] for i in batch]
+                for layer in members:
+                    self._pending[layer.layer_idx] = members
+        self._rotation_start = start
+
+    def rotated(self, layer: CompressedLayer, block_start: int) -> torch.Tensor | None:
+        """``layer``'s cached keys rotated to their positions before ``block_start``, computed with the
+        other layers of its batch (:meth:`plan_rotation`); None when not planned for this forward."""
+        from kvcli.joined import rotated_keys
+
+        if block_start != self._rotation_start:
+            return None
+        members = self._pending.get(layer.layer_idx)
+        if members is not None:
+            rotated = rotated_keys([m.keys for m in members], [m.entry_pos for m in members], block_start,
+                                   self.inv_freqs[members[0].layer_idx])
+            for member, keys in zip(members, rotated, strict=True):
+                self._pending.pop(member.layer_idx)
+                self._rotated[member.layer_idx] = (member.keys, keys)
+        source, keys = self._rotated.pop(layer.layer_idx, (None, None))
+        return keys if source is layer.keys else None  # a layer changed since the plan rotates alone
+
+    def clear_rotation(self) -> None:
+        """Drop what :meth:`plan_rotation` planned or computed (after a forward: frees the rotated keys)."""
+        self._rotation_start = None
+        self._pending = {}
+        self._rotated = {}
+
+    def keep_layers(self, kept: Sequence[tuple[CompressedLayer, torch.Tensor]]) -> None:
+        """:meth:`CompressedLayer.keep` of many layers: layers that stand alike keep their tokens with
+        one gather per tensor (:mod:`kvcli.joined`), the others one by one."""
+        from kvcli.joined import batches
+
+        kinds: dict[tuple, list[tuple[CompressedLayer, torch.Tensor]]] = {}
+        for layer, indices in kept:
+            kind = layer.join_kind(rotation=False)
+            if kind is None:
+                layer.keep(indices)
+            else:
+                kinds.setdefault(kind, []).append((layer, indices))
+        for pairs in kinds.values():
+            for batch in batches([layer.keys.numel() + layer.values.numel() for layer, _ in pairs]):
+                _keep_joined([pairs[i] for i in batch])
 
     def quantize(self, bits: int) -> KVCache:
         """Store keys and values at ``bits`` bits from now on (16: the model's precision); before any token."""
@@ -296,6 +399,45 @@ class KVCache(Cache):
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def _equal_groups(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """A number per tensor, the same for equal tensors (read once, when a cache is made)."""
+    firsts: list[torch.Tensor] = []
+    groups = []
+    for tensor in tensors:
+        for i, first in enumerate(firsts):
+            if first is tensor or (first.shape == tensor.shape and torch.equal(first, tensor.to(first.device))):
+                groups.append(i)
+                break
+        else:
+            groups.append(len(firsts))
+            firsts.append(tensor)
+    return groups
+
+
+def _keep_joined(pairs: Sequence[tuple[CompressedLayer, torch.Tensor]]) -> None:
+    """Layers that stand alike (:meth:`CompressedLayer.join_kind`) keep the tokens at their indices, one
+    gather per tensor for all of them: what :meth:`CompressedLayer.keep` does layer by layer."""
+    from kvcli.joined import gather_joined, joined_index, wide_index
+
+    layers = [layer for layer, _ in pairs]
+    index = joined_index([indices for _, indices in pairs], [layer.get_seq_length() for layer in layers])
+    counts = [indices.shape[1] for _, indices in pairs]
+    key_dim, value_dim = layers[0].keys.shape[-1], layers[0].values.shape[-1]
+    wide = wide_index(index, key_dim)
+    keys = gather_joined([layer.keys for layer in layers], wide, counts)
+    values = gather_joined([layer.values for layer in layers], wide if value_dim == key_dim
+                           else wide_index(index, value_dim), counts)
+    entry_pos = gather_joined([layer.entry_pos for layer in layers], index, counts)
+    token_idx = gather_joined([layer.token_idx for layer in layers], index, counts)
+    states = {name: gather_joined([layer.state[name] for layer in layers], index, counts)
+              for name in layers[0].state}
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values = keys[i], values[i]
+        layer.entry_pos, layer.token_idx = entry_pos[i], token_idx[i]
+        layer.state = {name: parts[i] for name, parts in states.items()}
+        layer.moved = True
 
 
 @dataclass

@@ -54,9 +54,7 @@ def compress_cache(method: Method, cache: KVCache, budgeted: Sequence[int], budg
         kept = Method.compress_layers(method, views, wanted)
     else:
         kept = method.compress_layers(views, wanted)
-    for view, keep in zip(views, kept, strict=True):
-        if keep is not None:
-            view.layer.keep(keep)
+    cache.keep_layers([(view.layer, keep) for view, keep in zip(views, kept, strict=True) if keep is not None])
 
 
 def nested_forward(run: Callable[[], torch.Tensor], method: Method, cache: KVCache, decoder_layers: Sequence,

@@ -193,11 +193,13 @@ class Engine:
     def _run(self, cache: KVCache, ids: torch.Tensor, store: bool) -> torch.Tensor:
         positions = self.positions.place(cache, ids.shape[1], self.device)
         cache.probing = not store
+        cache.plan_rotation()
         try:
             out = self.decoder(input_ids=ids.to(self.device), position_ids=positions, past_key_values=cache,
                                use_cache=True, kvcli_cache=cache)
         finally:
             cache.probing = False
+            cache.clear_rotation()
         return out.last_hidden_state
 
     @torch.inference_mode()
