@@ -74,7 +74,9 @@ def window_probs(logits: torch.Tensor, scaling: float, visible: torch.Tensor | N
     in fp32, so that bf16 rounding of the probabilities never turns near-equal scores into exact ties
     (which the eviction rules break to the left) on one device and not on another.
     """
-    logits = logits.float().mul_(scaling)
+    logits = logits.float()
+    if scaling != 1.0:  # the explicit path scaled its queries already
+        logits = logits.mul_(scaling)
     if visible is not None:  # None: the logits are masked already
         logits.masked_fill_(~visible, float("-inf"))
     return torch.softmax(logits, dim=-1).sum(dim=2)
@@ -117,8 +119,9 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     _, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
-    grouped = (query * scaling).reshape(kv_heads, group * q_len, dim)
-    logits = soft_cap(torch.matmul(grouped, key[0].transpose(1, 2)), softcap).view(kv_heads, group, q_len, k_len)
+    # [1, H_kv, group * n, D] against [1, H_kv, D, T]: one batched matmul per KV head, no batch index to drop.
+    grouped = (query * scaling).reshape(1, kv_heads, group * q_len, dim)
+    logits = soft_cap(torch.matmul(grouped, key.transpose(2, 3)), softcap).view(kv_heads, group, q_len, k_len)
     if sliding_window is not None and k_len > 1:
         logits.masked_fill_(hidden_by_mask(q_len, k_len, query.device, sliding_window), float("-inf"))
     elif q_len > 1:  # only the new keys need the causal mask: every cached key is visible to every query
@@ -133,7 +136,7 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         sink = sinks.to(logits.dtype).view(kv_heads, group, 1, 1).expand(kv_heads, group, q_len, 1)
         probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :k_len].contiguous()
-    output = torch.matmul(probs.view(kv_heads, group * q_len, k_len), value[0])
+    output = torch.matmul(probs.view(1, kv_heads, group * q_len, k_len), value)
     output = output.view(1, q_heads, q_len, value.shape[-1])
     return output, tail
 
