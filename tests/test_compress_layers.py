@@ -102,3 +102,18 @@ def test_engine_streams_alike_batched_or_not(tiny, name, monkeypatch):
     batched = run()
     monkeypatch.setattr(type(make_method(name)), "compress_layers", Method.compress_layers)
     assert run() == batched
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("snapkv", {"pooling": "avg", "kernel": 5}), ("snapkv", {"pooling": "max", "kernel": 7}),
+    ("snapkv", {"kernel": 1}), ("pyramidkv", {"pooling": "avg"}), ("h2o", None), ("tova", None),
+    ("pyramidinfer", None)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_layers_of_different_lengths_selected_at_once_as_alone(name, options, ties):
+    """Layers that differ in length and count (padded rows, one sort: ``_compress_uneven``) keep what each
+    keeps alone, with pooling of either kind across the padding, a probe and a question."""
+    method = make_method(name, options)
+    budgets = [20, 26, 32, 38, 44]
+    for probe, question in ((0, 0), (3, 5)):
+        assert (stream(method, budgets, [60, 16, 16, 16], True, probe=probe, question=question, ties=ties)
+                == stream(method, budgets, [60, 16, 16, 16], False, probe=probe, question=question, ties=ties))

@@ -172,11 +172,45 @@ class ScoredMethod(Method):
             counts.append(count)
             groups.setdefault((count, self._protected_span(view, budget, count), *_batch_key(view)), []).append(i)
         kept: list[torch.Tensor | None] = [None] * len(views)
+        uneven: dict[tuple, list[int]] = {}
         for members in groups.values():
+            first = views[members[0]]
+            if len(members) == 1 and first.length > counts[members[0]]:
+                uneven.setdefault(_batch_key(first, uneven=True), []).append(members[0])
+                continue
             chosen = self._compress_alike([views[i] for i in members], budgets[members[0]], counts[members[0]])
             for i, keep in zip(members, chosen, strict=True):
                 kept[i] = keep
+        for members in uneven.values():
+            chosen = self._compress_uneven([views[i] for i in members], [budgets[i] for i in members],
+                                           [counts[i] for i in members])
+            for i, keep in zip(members, chosen, strict=True):
+                kept[i] = keep
         return kept
+
+    def _compress_uneven(self, views: list[LayerView], budgets: list[int], counts: list[int]) -> list[torch.Tensor]:
+        """:meth:`compress` of layers over their counts that differ in length or count (PyramidKV's budgets):
+        scored into rows padded to the longest (:meth:`padded_scores`) and selected with one sort; each
+        layer's answer is the one :meth:`compress` gives it."""
+        if len(views) == 1:
+            return self._compress_alike(views, budgets[0], counts[0])
+        width = max(view.length for view in views)
+        spans = tuple(self._protected_span(view, budget, count)
+                      for view, budget, count in zip(views, budgets, counts, strict=True))
+        scores = self.padded_scores(views, width)
+        rows, heads = scores.shape[0] // len(views), views[0].num_heads
+        chosen = select_top_uneven(scores, spans, tuple(counts), rows, views[0].layer.device)
+        if rows != heads:  # one choice per layer: every KV head keeps it
+            chosen = chosen.view(len(views), rows, -1).expand(len(views), heads, -1).reshape(len(views) * heads, -1)
+        return [keep[:, :count] for keep, count in zip(chosen.split(heads), counts, strict=True)]
+
+    def padded_scores(self, views: list[LayerView], width: int) -> torch.Tensor:
+        """Layers of different lengths observed (:meth:`observe`) and scored (:meth:`score_layers`) as rows
+        ``[L * rows, width]``, each layer's padded with -inf (never chosen) past its length. By default
+        layer by layer; a subclass may do it at once."""
+        for view in views:
+            self.observe_layers([view])
+        return layer_rows([pad_tokens(self.score_layers([view]), width, float("-inf")) for view in views])
 
     def _compress_alike(self, views: list[LayerView], budget: int, count: int) -> list[torch.Tensor | None]:
         """:meth:`compress` of layers that stand alike, keeping ``count`` tokens each."""
@@ -206,12 +240,16 @@ class ScoredMethod(Method):
         return view.length, self.sinks, max(self.kept_recent(view, budget), question)
 
 
-def _batch_key(view: LayerView) -> tuple:
-    """What layers must share to be compressed as one batch, beside their protected span."""
+def _batch_key(view: LayerView, uneven: bool = False) -> tuple:
+    """What layers must share to be compressed as one batch, beside their protected span; ``uneven``:
+    what layers that differ in length must share (:meth:`ScoredMethod._compress_uneven`)."""
     record = view.record
-    seen = None if record is None else (record.window, record.own_window, record.probs.shape,
-                                        None if record.probe is None else record.probe.shape)
-    state = tuple((name, value.shape) for name, value in view.layer.state.items())
+
+    def shape(tensor: torch.Tensor | None):
+        return None if tensor is None else tensor.shape[:-1] if uneven else tensor.shape
+
+    seen = None if record is None else (record.window, record.own_window, shape(record.probs), shape(record.probe))
+    state = tuple((name, shape(value)) for name, value in view.layer.state.items())
     return view.num_new, view.num_heads, seen, state
 
 
@@ -284,6 +322,42 @@ def select_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> to
     ranked = (scores if scores.dtype == torch.float32 else scores.float()).masked_fill(protected, float("inf"))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :budget]
     return order.sort(dim=-1).values
+
+
+def pad_tokens(rows: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """``rows`` ``[..., T]`` extended to ``width`` along the tokens with ``fill``."""
+    missing = width - rows.shape[-1]
+    return rows if missing == 0 else F.pad(rows, (0, missing), value=fill)
+
+
+@lru_cache(maxsize=16)
+def past_lengths(lengths: tuple[int, ...], rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """``[L * rows, width]``: True past each layer's length (the padding of :meth:`ScoredMethod.padded_scores`)."""
+    columns = torch.arange(width, device=device)[None, :]
+    return (columns >= torch.tensor(lengths, device=device)[:, None]).repeat_interleave(rows, dim=0)
+
+
+def select_top_uneven(scores: torch.Tensor, spans: tuple[tuple[int, int, int], ...], counts: tuple[int, ...],
+                      rows: int, device: torch.device) -> torch.Tensor:
+    """:func:`select_top` of layers that differ in length and count, with one sort: ``scores`` holds ``rows``
+    rows per layer, padded with -inf past each layer's length; ``spans`` are the layers' ``(length, sinks,
+    recent)``. Row block ``l`` of the answer ``[L * rows, max(counts)]`` holds layer ``l``'s indices,
+    ascending, in its first ``counts[l]`` columns (exactly what :func:`select_top` gives the layer alone:
+    the padding ranks last, and a stable sort keeps ties in order)."""
+    protected, beyond = _uneven_masks(spans, counts, rows, scores.shape[1], torch.device(device))
+    ranked = (scores if scores.dtype == torch.float32 else scores.float()).masked_fill(protected, float("inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, : max(counts)]
+    return order.masked_fill(beyond, scores.shape[1]).sort(dim=-1).values
+
+
+@lru_cache(maxsize=16)
+def _uneven_masks(spans: tuple[tuple[int, int, int], ...], counts: tuple[int, ...], rows: int, width: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The protected tokens ``[L * rows, width]``, and the columns past each layer's count ``[L * rows, max(counts)]``
+    (made once per shape: a stream repeats its lengths and counts block after block)."""
+    protected = torch.stack([pad_tokens(recent_and_sinks(*span, device), width, False) for span in spans])
+    beyond = torch.arange(max(counts), device=device)[None, :] >= torch.tensor(counts, device=device)[:, None]
+    return protected.repeat_interleave(rows, dim=0), beyond.repeat_interleave(rows, dim=0)
 
 
 def group_mean(probs: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,9 @@ from kvcli.methods.base import (
     Split,
     check_split,
     layer_rows,
+    pad_tokens,
     param,
+    past_lengths,
     per_token_rows,
     pool_scores,
     select_top,
@@ -241,3 +243,25 @@ class PyramidInfer(ScoredMethod):
 
     def score_layers(self, views: list[LayerView]) -> torch.Tensor:
         return pool_scores(per_token_rows(views, STATE), self.kernel, "max")
+
+    def padded_scores(self, views: list[LayerView], width: int) -> torch.Tensor:
+        """:meth:`observe_layers` and :meth:`score_layers` of layers of different lengths at once, on rows
+        padded to ``width``: the padding holds zeros while scores accumulate, and -inf (what max pooling
+        ignores, and never chosen) when they are pooled. Each layer keeps its own rows, unpadded."""
+        states = [view.layer.state.get(STATE) for view in views]
+        if views[0].record is None or any(state is None for state in states):
+            return super().padded_scores(views, width)  # no record to fold in, or a layer's first block
+        heads, count = views[0].num_heads, len(views)
+        probs = [view.record.probs if view.record.probs.shape[-1] == view.length
+                 else view.record.probs[..., : view.length] for view in views]
+        fresh = layer_rows([pad_tokens(p, width, 0.0) for p in probs]).mean(dim=1)  # GQA group averaged
+        if self.heads == "mean":
+            layers = fresh.view(count, heads, width)
+            fresh = layers.mean(dim=1, keepdim=True).expand_as(layers).reshape(count * heads, width)
+        decayed = layer_rows([pad_tokens(state, width, 0.0) for state in states]) * self.gamma**views[0].num_new
+        state = decayed + window_weight(views[0].record.window, self.gamma) * fresh
+        for view, rows in zip(views, state.split(heads), strict=True):
+            view.set_per_token(STATE, rows[:, : view.length])
+        padding = past_lengths(tuple(view.length for view in views), heads, width, state.device)
+        return pool_scores(state.masked_fill(padding, float("-inf")), self.kernel, "max").masked_fill_(
+            padding, float("-inf"))
