@@ -18,6 +18,8 @@ from functools import lru_cache
 
 import torch
 
+from kvcli.rope import rotate_keys
+
 #: Most key elements one joined batch holds (64 MiB of float32 per temporary): caches beyond it are
 #: handled a few layers at a time.
 JOIN_ELEMENTS = 1 << 24
@@ -67,8 +69,6 @@ def rotated_keys(keys: Sequence[torch.Tensor], entry_pos: Sequence[torch.Tensor]
                  inv_freq: torch.Tensor) -> list[torch.Tensor]:
     """Each layer's keys ``[1, H, T_l, D]`` (rotated at ``entry_pos`` ``[H, T_l]``) rotated to their current
     positions, all layers in one rotation; the layers must share ``inv_freq``."""
-    from kvcli.cache import rotate_keys
-
     lengths = tuple(key.shape[-2] for key in keys)
     device = keys[0].device
     delta = current_positions(lengths, block_start, device) - join(entry_pos, dim=1)

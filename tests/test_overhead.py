@@ -19,8 +19,15 @@ BUDGET, BLOCK = 64, 32
 #: Engine operations per block (forward and compression) relative to a plain forward of the same block.
 #: Measured values are in docs/benchmarks.md; the bounds leave a little room above them. (At this toy
 #: shape the model's own operations are few, so the engine's per-layer work weighs more than at a real one.)
-BOUNDS = {"streamingllm": 1.6, "snapkv": 1.7, "pyramidkv": 1.8, "treekv": 1.9, "h2o": 1.72, "tova": 1.7,
-          "pyramidinfer": 1.86}
+BOUNDS = {"streamingllm": 1.22, "snapkv": 1.3, "pyramidkv": 1.45, "treekv": 1.5, "h2o": 1.33, "tova": 1.3,
+          "pyramidinfer": 1.5}
+
+#: At SmolLM2-135M's layer count and heads (30 layers, 9 query / 3 KV heads), cache 512, block 256: the
+#: shape issue #27 measures. Operation counts do not depend on the hidden width, so a narrow model gives the
+#: real shape's counts (1,872 for the plain forward, as ``python -m kvcli.bench.ops`` prints) in a second.
+#: The issue asks at most 1.3x of every method (PoD, which compresses nothing by default, is apart: docs/benchmarks.md).
+REAL_SHAPE_BOUNDS = {"streamingllm": 1.15, "snapkv": 1.22, "pyramidkv": 1.25, "treekv": 1.25, "h2o": 1.22,
+                     "tova": 1.23, "pyramidinfer": 1.3}
 
 
 @pytest.mark.parametrize("name", sorted(BOUNDS))
@@ -38,6 +45,20 @@ def test_engine_operations_per_block_stay_near_a_plain_forward(name):
     # No .item(), nonzero or equal in a block: on a GPU each would wait for the block's kernels.
     # (.tolist() of a CPU tensor reads memory without an aten op, so only a CUDA run sees it.)
     assert counted.host_reads == 0, counted.ops
+
+
+def test_operations_per_block_at_smollm2s_layer_count():
+    """Issue #27's measure: every method's block against the plain forward, at the real model's layer count."""
+    from kvcli.bench.ops import engine_block_ops
+
+    model = tiny_llama(num_layers=30, hidden=72, heads=9, kv_heads=3, seed=0)
+    model.config.max_position_embeddings = 8192
+    budget, block = 512, 256
+    ids = torch.randint(0, 128, (budget + 4 * block,), generator=torch.Generator().manual_seed(0))
+    plain = plain_block_ops(model, ids[: budget + block], budget)
+    ratios = {name: engine_block_ops(model, make_method(name), budget, block, ids).total / plain.total
+              for name in REAL_SHAPE_BOUNDS}
+    assert all(ratios[name] <= bound for name, bound in REAL_SHAPE_BOUNDS.items()), ratios
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

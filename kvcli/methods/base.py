@@ -333,8 +333,8 @@ def pad_tokens(rows: torch.Tensor, width: int, fill: float) -> torch.Tensor:
 @lru_cache(maxsize=16)
 def past_lengths(lengths: tuple[int, ...], rows: int, width: int, device: torch.device) -> torch.Tensor:
     """``[L * rows, width]``: True past each layer's length (the padding of :meth:`ScoredMethod.padded_scores`)."""
-    columns = torch.arange(width, device=device)[None, :]
-    return (columns >= torch.tensor(lengths, device=device)[:, None]).repeat_interleave(rows, dim=0)
+    columns = torch.arange(width, device=device)  # compared with Python ints: no copy from the host on a GPU
+    return torch.stack([columns >= length for length in lengths]).repeat_interleave(rows, dim=0)
 
 
 def select_top_uneven(scores: torch.Tensor, spans: tuple[tuple[int, int, int], ...], counts: tuple[int, ...],
@@ -356,7 +356,8 @@ def _uneven_masks(spans: tuple[tuple[int, int, int], ...], counts: tuple[int, ..
     """The protected tokens ``[L * rows, width]``, and the columns past each layer's count ``[L * rows, max(counts)]``
     (made once per shape: a stream repeats its lengths and counts block after block)."""
     protected = torch.stack([pad_tokens(recent_and_sinks(*span, device), width, False) for span in spans])
-    beyond = torch.arange(max(counts), device=device)[None, :] >= torch.tensor(counts, device=device)[:, None]
+    columns = torch.arange(max(counts), device=device)
+    beyond = torch.stack([columns >= count for count in counts])
     return protected.repeat_interleave(rows, dim=0), beyond.repeat_interleave(rows, dim=0)
 
 

@@ -28,10 +28,11 @@ import torch
 
 from kvcli.architecture import describe
 from kvcli.attention import dense_attention
-from kvcli.cache import CompressedLayer, KVCache, rotate_keys
+from kvcli.cache import CompressedLayer, KVCache
 from kvcli.errors import UnsupportedModelError
 from kvcli.pod.attention import SharingPlan, shared_attention
 from kvcli.quant import QuantizedTokens, gather_tokens, nbytes, stored
+from kvcli.rope import rotate_keys
 
 
 class PodCache(KVCache):
