@@ -140,3 +140,13 @@ def config_home(tmp_path, monkeypatch) -> Path:
     """An empty user configuration folder, so user presets on this machine do not leak into a test."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     return tmp_path / "config"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pod_checks():
+    """PoD's bookkeeping self-checks (off in use: each reads the device) run in every test."""
+    from kvcli.pod import attention
+
+    attention.CHECKS = True
+    yield
+    attention.CHECKS = False

@@ -127,3 +127,21 @@ def test_h2o_one_shot_window_memory_is_bounded():
     )
     grown = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
     assert grown < 1.2 * 2**30
+
+
+def test_a_pod_block_reads_nothing_from_the_device(monkeypatch):
+    """PoD's block (shared attention, distant keys freed) reads no device value: its head lists are Python
+    ints and its bookkeeping self-checks, which read, are off outside the test suite."""
+    from kvcli.pod import attention
+    from kvcli.pod.groups import GroupsFile, ModelShape
+
+    monkeypatch.setattr(attention, "CHECKS", False)
+    model = tiny_llama(num_layers=4, hidden=64, heads=4, kv_heads=2, seed=0)
+    groups = GroupsFile("tiny", ModelShape.of(model.config), [[[0, 1, 2], [3]], [[0], [1, 2, 3]]])
+    engine = Engine(model, make_method("pod", {"groups": groups, "sinks": 2, "recent": 8}), None, block=BLOCK)
+    cache = engine.new_cache()
+    ids = torch.randint(0, 128, (4 * BLOCK,), generator=torch.Generator().manual_seed(0))
+    for start in range(0, 3 * BLOCK, BLOCK):
+        engine.forward(cache, ids[None, start:start + BLOCK])
+    counted = count_ops(lambda: engine.forward(cache, ids[None, 3 * BLOCK:]))
+    assert counted.total > 0 and counted.host_reads == 0, {op: n for op, n in counted.ops.items() if "item" in op}

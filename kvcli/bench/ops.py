@@ -17,8 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: Operations that copy a device value to the host: on CUDA each one waits for the stream to drain.
-HOST_READS = frozenset({"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
-                        "aten.is_nonzero.default"})
+#: ``int()`` or ``bool()`` of a tensor dispatches ``aten.item`` (or ``is_nonzero``) here, not the
+#: ``_local_scalar_dense`` it becomes below: all of them are counted.
+HOST_READS = frozenset({"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
+                        "aten.equal.default", "aten.is_nonzero.default"})
 
 
 @dataclass

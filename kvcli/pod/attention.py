@@ -28,6 +28,10 @@ from dataclasses import dataclass
 
 from kvcli.lazy import torch
 
+#: Self-checks of PoD's cache bookkeeping that read device values to the host (each one stalls a GPU):
+#: off in use, switched on by the test suite, where a bookkeeping bug must fail loudly.
+CHECKS = False
+
 
 @dataclass
 class SharingPlan:
@@ -46,6 +50,7 @@ class SharingPlan:
     def __post_init__(self) -> None:
         self.leads = self.leads.to(torch.long).cpu()
         kv_heads, layers = self.leads.shape
+        self._leads = self.leads.tolist()  # read as Python ints: no tensor read inside a forward
         self._lead_heads = [[h for h in range(kv_heads) if int(self.leads[h, layer]) == layer]
                             for layer in range(layers)]
         self._other_heads = [[h for h in range(kv_heads) if int(self.leads[h, layer]) != layer]
@@ -72,7 +77,7 @@ class SharingPlan:
         return self._other_heads[layer]
 
     def lead_of(self, head: int, layer: int) -> int:
-        return int(self.leads[head, layer])
+        return self._leads[head][layer]
 
     def last_reader(self, lead: int) -> int:
         """The highest layer that reads ``lead``'s queries in a forward pass (``lead`` itself if none)."""
@@ -106,7 +111,7 @@ def proximal_and_distant(query_slots: torch.Tensor, length: int, sinks: int, rec
 
 def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: torch.Tensor, own_slots: torch.Tensor,
                      lead_keys: torch.Tensor, values: torch.Tensor, query_slots: torch.Tensor, sinks: int, recent: int,
-                     scaling: float, tau: float | None = None, window: int = 0
+                     scaling: float, tau: float | None = None, window: int = 0, first: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Eq. 3-4 for the KV heads of a layer that are not their block's lead, all queries of a block at once.
 
@@ -116,7 +121,8 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
     * ``own_keys``: ``[H, S, D]``, this layer's keys at the slots ``own_slots`` ``[S]`` (every slot
       proximal to some query must be there; distant ones need not be);
     * ``lead_keys``: ``[H, T, D]``, the lead layer's keys of every slot (only distant slots count);
-    * ``values``: ``[H, T, Dv]``; ``query_slots``: ``[n]``, the consecutive slots of the queries' own tokens.
+    * ``values``: ``[H, T, Dv]``; ``query_slots``: ``[n]``, the consecutive slots of the queries' own tokens,
+      the first of which is ``first`` when the caller knows it (read from ``query_slots`` otherwise).
 
     Returns the output ``[H, G, n, Dv]``, the attention of the last ``window`` queries summed over
     them ``[H, G, T]`` (float32, for scoring methods; None when ``window`` is 0) and the gate
@@ -124,12 +130,13 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
     """
     heads, group, n, _ = query.shape
     length = values.shape[1]
-    first = int(query_slots[0])
+    first = int(query_slots[0]) if first is None else first
     device = query.device
-    needed = torch.cat((torch.arange(min(sinks, length), device=device),
-                        torch.arange(max(first - recent + 1, 0), length, device=device)))
-    if not bool(torch.isin(needed, own_slots).all()):
-        raise RuntimeError("PoD: a proximal key is missing from the layer's own keys (cache bookkeeping bug)")
+    if CHECKS:
+        needed = torch.cat((torch.arange(min(sinks, length), device=device),
+                            torch.arange(max(first - recent + 1, 0), length, device=device)))
+        if not bool(torch.isin(needed, own_slots).all()):
+            raise RuntimeError("PoD: a proximal key is missing from the layer's own keys (cache bookkeeping bug)")
     # Every slot starts with the lead's score (a^D); proximal slots take the layer's own (a^P); the
     # slots after each query are masked. One softmax over the row is Eq. 4's gated mix (App. C.1).
     logits = torch.matmul((lead_query * scaling).reshape(heads, group * n, -1), lead_keys.transpose(1, 2))

@@ -24,15 +24,34 @@ until the last layer that reads them is done.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from kvcli.architecture import describe
 from kvcli.attention import dense_attention
 from kvcli.cache import CompressedLayer, KVCache
 from kvcli.errors import UnsupportedModelError
+from kvcli.pod import attention as pod_attention
 from kvcli.pod.attention import SharingPlan, shared_attention
 from kvcli.quant import QuantizedTokens, gather_tokens, nbytes, stored
 from kvcli.rope import rotate_keys
+
+
+@lru_cache(maxsize=256)
+def _heads_at(heads: tuple[int, ...], device: torch.device) -> slice | torch.Tensor:
+    if not heads:
+        return slice(0, 0)
+    if heads == tuple(range(heads[0], heads[-1] + 1)):
+        return slice(heads[0], heads[-1] + 1)
+    return torch.tensor(heads, device=device)
+
+
+def heads_at(heads: list[int], device: torch.device) -> slice | torch.Tensor:
+    """What indexes the KV heads ``heads`` (ascending) of a tensor on ``device``: a slice (a view)
+    when they are consecutive, else an index made once (never a Python list, which becomes a tensor
+    at every use)."""
+    return _heads_at(tuple(heads), torch.device(device))
 
 
 class PodCache(KVCache):
@@ -42,7 +61,10 @@ class PodCache(KVCache):
         if plan.num_layers != num_layers:
             raise ValueError(f"the plan has {plan.num_layers} layers, the model {num_layers}")
         self.plan = plan
+        #: A lead layer's queries ``[H, G, n, D]`` and rotated lead keys ``[h_lead, T, D]`` in the current
+        #: forward, until the last layer of its blocks has read them.
         self.shared_queries: dict[int, torch.Tensor] = {}
+        self.shared_keys: dict[int, torch.Tensor] = {}
         super().__init__(num_layers, inv_freq)
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:
@@ -92,12 +114,12 @@ class PodLayer(CompressedLayer):
         positions = torch.arange(owner.block_start, owner.block_start + new, device=self.device)
         tokens = torch.arange(owner.stream_start, owner.stream_start + new, device=self.device)
         if isinstance(self.values, QuantizedTokens):  # --kv-bits: values and lead keys packed, proximal keys not
-            self.keys.append(key_states[:, self.lead_heads])
+            self.keys.append(key_states[:, heads_at(self.lead_heads, self.device)])
             self.values.append(value_states)
         else:
-            self.keys = torch.cat((self.keys, key_states[:, self.lead_heads]), dim=-2)
+            self.keys = torch.cat((self.keys, key_states[:, heads_at(self.lead_heads, self.device)]), dim=-2)
             self.values = torch.cat((self.values, value_states), dim=-2)
-        self.near_keys = torch.cat((self.near_keys, key_states[:, self.other_heads]), dim=-2)
+        self.near_keys = torch.cat((self.near_keys, key_states[:, heads_at(self.other_heads, self.device)]), dim=-2)
         self.near_recent += new
         self.entry_pos = torch.cat((self.entry_pos, positions.expand(heads, new)), dim=-1)
         self.token_idx = torch.cat((self.token_idx, tokens.expand(heads, new)), dim=-1)
@@ -128,14 +150,14 @@ class PodLayer(CompressedLayer):
         """``keys`` ``[1, h, S, D]`` of KV heads ``heads`` at ``slots`` (all when None), rotated to now."""
         if self.owner.keep_positions or (not self.moved and self.owner.block_start == self._cached):
             return keys  # every key still sits where it entered
-        entry = self.entry_pos[heads] if slots is None else self.entry_pos[heads][:, slots]
+        at = heads_at(heads, self.device)
+        entry = self.entry_pos[at] if slots is None else self.entry_pos[at][:, slots]
         current = self.slot_positions() if slots is None else self.slot_positions()[slots]
         return rotate_keys(keys, current[None, :] - entry, self.inv_freq)
 
-    def lead_keys(self, heads: list[int]) -> torch.Tensor:
-        """This (lead) layer's keys of KV heads ``heads`` at every slot, rotated: ``[1, len(heads), T, D]``."""
-        index = [self.lead_heads.index(h) for h in heads]
-        return self._rotated(stored(self.keys)[:, index], heads, None)
+    def lead_keys(self) -> torch.Tensor:
+        """This layer's keys of its lead heads at every slot, rotated: ``[1, len(lead_heads), T, D]``."""
+        return self._rotated(stored(self.keys), self.lead_heads, None)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -158,33 +180,34 @@ class PodLayer(CompressedLayer):
         if window:
             window_probs = torch.zeros(kv_heads, group, length, dtype=torch.float32, device=query.device)
         if self.lead_heads:
-            heads = self.lead_heads
-            out, probs = dense_attention(grouped[:, heads].flatten(1, 2), self.lead_keys(heads),
-                                         values[:, heads], scaling, window)
-            output[:, heads] = out.view(1, len(heads), group, n, -1)
+            heads, at = self.lead_heads, heads_at(self.lead_heads, query.device)
+            lead_keys = self.lead_keys()
+            out, probs = dense_attention(grouped[:, at].flatten(1, 2), lead_keys, values[:, at], scaling, window)
+            output[:, at] = out.view(1, len(heads), group, n, -1)
             if window_probs is not None and probs is not None:
-                window_probs[heads] = probs
-            if plan.last_reader(layer) > layer:
-                owner.shared_queries[layer] = query
+                window_probs[at] = probs
+            if plan.last_reader(layer) > layer:  # the higher layers of its blocks read them, rotated once here
+                owner.shared_queries[layer] = grouped[0]
+                owner.shared_keys[layer] = lead_keys[0]
         if self.other_heads:
-            heads = self.other_heads
-            leads = [plan.lead_of(h, layer) for h in heads]
-            lead_query = torch.stack([owner.shared_queries[a].view(1, kv_heads, group, n, -1)[0, h]
-                                      for h, a in zip(heads, leads, strict=True)])
-            lead_keys = torch.cat([owner.layers[a].lead_keys([h])[0] for h, a in zip(heads, leads, strict=True)])
+            heads, at = self.other_heads, heads_at(self.other_heads, query.device)
+            pairs = [(h, plan.lead_of(h, layer)) for h in heads]
+            lead_query = torch.stack([owner.shared_queries[a][h] for h, a in pairs])
+            lead_keys = torch.stack([owner.shared_keys[a][owner.layers[a].lead_heads.index(h)] for h, a in pairs])
             slots = self.near_slots()
             own_keys = self._rotated(self.near_keys, heads, slots)[0]
             query_slots = torch.arange(length - n, length, device=query.device)
-            out, probs, _ = shared_attention(grouped[0, heads], lead_query, own_keys, slots, lead_keys,
-                                             values[0, heads], query_slots, plan.sinks, plan.recent, scaling,
-                                             plan.tau, window)
-            output[0, heads] = out.to(output.dtype)
+            out, probs, _ = shared_attention(grouped[0, at], lead_query, own_keys, slots, lead_keys,
+                                             values[0, at], query_slots, plan.sinks, plan.recent, scaling,
+                                             plan.tau, window, first=length - n)
+            output[0, at] = out.to(output.dtype)
             if window_probs is not None and probs is not None:
-                window_probs[heads] = probs
+                window_probs[at] = probs
         self.free_distant_keys()
         for lead in {plan.lead_of(h, layer) for h in range(kv_heads)}:
             if plan.last_reader(lead) == layer:
                 owner.shared_queries.pop(lead, None)
+                owner.shared_keys.pop(lead, None)
         return output.view(1, kv_heads * group, n, -1), window_probs
 
     def free_distant_keys(self) -> None:
@@ -197,7 +220,7 @@ class PodLayer(CompressedLayer):
         wanted = torch.cat((torch.arange(sinks, device=self.device),
                             torch.arange(length - recent, length, device=self.device)))
         keep = torch.searchsorted(stored, wanted).clamp(max=max(stored.shape[0] - 1, 0))
-        if wanted.numel() and not torch.equal(stored[keep], wanted):
+        if pod_attention.CHECKS and wanted.numel() and not torch.equal(stored[keep], wanted):
             raise RuntimeError("PoD: a key still proximal was already freed (cache bookkeeping bug)")
         self.near_keys = self.near_keys.index_select(2, keep).contiguous()
         self.near_sinks, self.near_recent = sinks, recent
@@ -211,15 +234,15 @@ class PodLayer(CompressedLayer):
         """
         heads, count = indices.shape
         length = self.get_seq_length()
-        if self.other_heads:
+        if pod_attention.CHECKS and self.other_heads:
             near = self.near_slots()
-            kept = indices[self.other_heads]
+            kept = indices[heads_at(self.other_heads, self.device)]
             first, last = kept[:, :self.near_sinks], kept[:, count - self.near_recent:]
             if (count < near.shape[0] or not bool((first == near[:self.near_sinks]).all())
                     or not bool((last == near[self.near_sinks:]).all())):
                 raise RuntimeError("PoD: a selection dropped a proximal token of a non-lead layer")
         self.values = gather_tokens(self.values, indices)
-        self.keys = gather_tokens(self.keys, indices[self.lead_heads])
+        self.keys = gather_tokens(self.keys, indices[heads_at(self.lead_heads, self.device)])
         self.entry_pos = self.entry_pos.gather(1, indices)
         self.token_idx = self.token_idx.gather(1, indices)
         self.state = {name: value.gather(1, indices) for name, value in self.state.items()}
