@@ -88,7 +88,7 @@ def test_shared_attention_matches_literal_eq_3_4(sinks, recent, cached, new, tau
     proximal, _ = proximal_and_distant(query_slots, length, sinks, recent)
     own_slots = proximal.any(dim=0).nonzero()[:, 0]
     out, _, gate = shared_attention(q, q_lead, k_own[:, own_slots], own_slots, k_lead, v, query_slots, sinks, recent,
-                                    dim ** -0.5, tau)
+                                    dim ** -0.5, tau, with_gate=True)
     skipped = 0
     for h in range(heads):
         for j in range(group):

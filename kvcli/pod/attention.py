@@ -25,6 +25,7 @@ part: its output is ``o^P`` alone. The lead layer never skips (its distant term 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvcli.lazy import torch
 
@@ -109,10 +110,12 @@ def proximal_and_distant(query_slots: torch.Tensor, length: int, sinks: int, rec
     return proximal, visible & ~proximal
 
 
-def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: torch.Tensor, own_slots: torch.Tensor,
-                     lead_keys: torch.Tensor, values: torch.Tensor, query_slots: torch.Tensor, sinks: int, recent: int,
-                     scaling: float, tau: float | None = None, window: int = 0, first: int | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: torch.Tensor,
+                     own_slots: torch.Tensor | None, lead_keys: torch.Tensor, values: torch.Tensor,
+                     query_slots: torch.Tensor | None, sinks: int, recent: int, scaling: float,
+                     tau: float | None = None, window: int = 0, first: int | None = None,
+                     held: tuple[int, int] | None = None,
+                     with_gate: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Eq. 3-4 for the KV heads of a layer that are not their block's lead, all queries of a block at once.
 
     Shapes (``H`` KV heads, ``G`` query heads per KV head, ``n`` queries, ``T`` slots):
@@ -124,14 +127,25 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
     * ``values``: ``[H, T, Dv]``; ``query_slots``: ``[n]``, the consecutive slots of the queries' own tokens,
       the first of which is ``first`` when the caller knows it (read from ``query_slots`` otherwise).
 
+    A cache layer passes ``held = (s, r)`` instead of ``own_slots`` and ``query_slots``: its own keys are
+    those of the first ``s`` and the last ``r`` slots and its queries the block's last ``n`` slots
+    (``first`` is ``T - n``), so the masks are made once per block for every layer (:func:`held_masks`).
+
     Returns the output ``[H, G, n, Dv]``, the attention of the last ``window`` queries summed over
     them ``[H, G, T]`` (float32, for scoring methods; None when ``window`` is 0) and the gate
-    ``g`` ``[H, G, n]`` (float32).
+    ``g`` ``[H, G, n]`` (float32; only with a threshold ``tau`` or ``with_gate``, else None).
     """
     heads, group, n, _ = query.shape
     length = values.shape[1]
-    first = int(query_slots[0]) if first is None else first
     device = query.device
+    if held is not None:
+        first = length - n
+        own_slots, own_proximal, hidden = held_masks(n, length, *held, sinks, recent, device)
+    else:
+        first = int(query_slots[0]) if first is None else first
+        i, t = query_slots[:, None], own_slots[None, :]
+        own_proximal = (t <= i) & ((t < sinks) | (t > i - recent))  # [n, S]
+        hidden = torch.arange(length, device=device)[None, :] > i  # the slots after each query
     if CHECKS:
         needed = torch.cat((torch.arange(min(sinks, length), device=device),
                             torch.arange(max(first - recent + 1, 0), length, device=device)))
@@ -141,25 +155,39 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
     # slots after each query are masked. One softmax over the row is Eq. 4's gated mix (App. C.1).
     logits = torch.matmul((lead_query * scaling).reshape(heads, group * n, -1), lead_keys.transpose(1, 2))
     logits = logits.view(heads, group, n, length)
-    i, t = query_slots[:, None], own_slots[None, :]
-    own_proximal = (t <= i) & ((t < sinks) | (t > i - recent))  # [n, S]
     own = torch.matmul((query * scaling).reshape(heads, group * n, -1), own_keys.transpose(1, 2))
     own = own.view(heads, group, n, own_slots.shape[0])
-    logits[..., own_slots] = torch.where(own_proximal, own, logits[..., own_slots])
-    future = torch.arange(first, length, device=device)[None, :] > query_slots[:, None]
-    logits[..., first:] = logits[..., first:].masked_fill(future, float("-inf"))
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    proximal_probs = probs[..., own_slots] * own_proximal
-    gate = proximal_probs.sum(dim=-1)
+    everything = own_slots.shape[0] == length  # own keys at every slot (distinct slots below T): 0 .. T-1
+    if everything:
+        logits = torch.where(own_proximal, own, logits)
+    else:
+        logits[..., own_slots] = torch.where(own_proximal, own, logits[..., own_slots])
+    probs = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1, dtype=torch.float32)
+    gate = None
+    if tau is not None or with_gate:
+        proximal_probs = (probs if everything else probs[..., own_slots]) * own_proximal
+        gate = proximal_probs.sum(dim=-1)
     if tau is not None:  # appendix B.4: where the gate reaches tau, the distant part is left out (o = o^P)
-        skip = gate >= tau
-        if bool(skip.any()):
-            proximal_only = torch.zeros_like(probs)
-            proximal_only[..., own_slots] = proximal_probs / gate[..., None].clamp_min(torch.finfo(torch.float32).tiny)
-            probs = torch.where(skip[..., None], proximal_only, probs)
+        proximal_only = torch.zeros_like(probs)
+        proximal_only[..., own_slots] = proximal_probs / gate[..., None].clamp_min(torch.finfo(torch.float32).tiny)
+        probs = torch.where((gate >= tau)[..., None], proximal_only, probs)
     output = torch.matmul(probs.to(values.dtype).view(heads, group * n, length), values)
     tail = probs[:, :, n - min(window, n):, :].sum(dim=2) if window > 0 else None
     return output.view(heads, group, n, values.shape[-1]), tail, gate
+
+
+@lru_cache(maxsize=2)  # a stream's cache grows every block: only the block in progress needs its masks
+def held_masks(n: int, length: int, held_sinks: int, held_recent: int, sinks: int, recent: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the block's last ``n`` slots of ``length`` as queries, against own keys at the first ``held_sinks``
+    and the last ``held_recent`` slots: those slots ``[S]``, which of them are proximal to each query
+    ``[n, S]``, and the slots after each query ``[n, length]`` (made once per block, read only)."""
+    own_slots = torch.cat((torch.arange(held_sinks, device=device),
+                           torch.arange(length - held_recent, length, device=device)))
+    query_slots = torch.arange(length - n, length, device=device)[:, None]
+    t = own_slots[None, :]
+    own_proximal = (t <= query_slots) & ((t < sinks) | (t > query_slots - recent))
+    return own_slots, own_proximal, torch.arange(length, device=device)[None, :] > query_slots
 
 
 # --- a whole sequence without a cache (post-training, references) ---------------------------------------

@@ -146,10 +146,14 @@ class PodLayer(CompressedLayer):
         start = self.owner.block_start - self._cached
         return torch.arange(start, start + self.get_seq_length(), device=self.device)
 
+    def _in_place(self) -> bool:
+        """Whether every key still sits where it entered (nothing to rotate in this forward)."""
+        return self.owner.keep_positions or (not self.moved and self.owner.block_start == self._cached)
+
     def _rotated(self, keys: torch.Tensor, heads: list[int], slots: torch.Tensor | None) -> torch.Tensor:
         """``keys`` ``[1, h, S, D]`` of KV heads ``heads`` at ``slots`` (all when None), rotated to now."""
-        if self.owner.keep_positions or (not self.moved and self.owner.block_start == self._cached):
-            return keys  # every key still sits where it entered
+        if self._in_place():
+            return keys
         at = heads_at(heads, self.device)
         entry = self.entry_pos[at] if slots is None else self.entry_pos[at][:, slots]
         current = self.slot_positions() if slots is None else self.slot_positions()[slots]
@@ -194,12 +198,10 @@ class PodLayer(CompressedLayer):
             pairs = [(h, plan.lead_of(h, layer)) for h in heads]
             lead_query = torch.stack([owner.shared_queries[a][h] for h, a in pairs])
             lead_keys = torch.stack([owner.shared_keys[a][owner.layers[a].lead_heads.index(h)] for h, a in pairs])
-            slots = self.near_slots()
-            own_keys = self._rotated(self.near_keys, heads, slots)[0]
-            query_slots = torch.arange(length - n, length, device=query.device)
-            out, probs, _ = shared_attention(grouped[0, at], lead_query, own_keys, slots, lead_keys,
-                                             values[0, at], query_slots, plan.sinks, plan.recent, scaling,
-                                             plan.tau, window, first=length - n)
+            own_keys = self.near_keys if self._in_place() else self._rotated(self.near_keys, heads, self.near_slots())
+            out, probs, _ = shared_attention(grouped[0, at], lead_query, own_keys[0], None, lead_keys,
+                                             values[0, at], None, plan.sinks, plan.recent, scaling, plan.tau,
+                                             window, held=(self.near_sinks, self.near_recent))
             output[0, at] = out.to(output.dtype)
             if window_probs is not None and probs is not None:
                 window_probs[at] = probs
