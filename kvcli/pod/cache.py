@@ -109,10 +109,9 @@ class PodLayer(CompressedLayer):
         owner = self.owner
         if owner.probing:
             raise NotImplementedError("pod does not take query-aware probes yet")
-        new, heads = key_states.shape[-2], key_states.shape[1]
+        new = key_states.shape[-2]
         self._cached = self.get_seq_length()
-        positions = torch.arange(owner.block_start, owner.block_start + new, device=self.device)
-        tokens = torch.arange(owner.stream_start, owner.stream_start + new, device=self.device)
+        positions, tokens = owner.new_entries(key_states.shape[1], new, self.device)
         if isinstance(self.values, QuantizedTokens):  # --kv-bits: values and lead keys packed, proximal keys not
             self.keys.append(key_states[:, heads_at(self.lead_heads, self.device)])
             self.values.append(value_states)
@@ -121,8 +120,8 @@ class PodLayer(CompressedLayer):
             self.values = torch.cat((self.values, value_states), dim=-2)
         self.near_keys = torch.cat((self.near_keys, key_states[:, heads_at(self.other_heads, self.device)]), dim=-2)
         self.near_recent += new
-        self.entry_pos = torch.cat((self.entry_pos, positions.expand(heads, new)), dim=-1)
-        self.token_idx = torch.cat((self.token_idx, tokens.expand(heads, new)), dim=-1)
+        self.entry_pos = torch.cat((self.entry_pos, positions), dim=-1)
+        self.token_idx = torch.cat((self.token_idx, tokens), dim=-1)
         # The attention reads the layer itself (see attend).
         return key_states, value_states if isinstance(self.values, QuantizedTokens) else self.values
 
