@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcli.distributed import Ranks
+from kvcli.documents import Document
 from kvcli.errors import KvcliError
 from kvcli.outputs import RowLog, SideFailures, read_rows
-from kvcli.text import Document
 
 #: What a command does with one document: its row (without the ``document`` key, which the job
 #: adds) and whether the document was read to its end; None to stop before it (a token limit).

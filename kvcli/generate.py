@@ -2,7 +2,7 @@
 
 The pipeline behind ``kvcli summarize`` and ``kvcli ask`` (and the pass-key grid) has two phases:
 
-* **read**: the prompt is ``prefix + document + suffix`` (see :func:`build_prompt`). A prompt that
+* **read**: the prompt is ``prefix + document + suffix`` (see :func:`kvcli.prompts.build_prompt`). A prompt that
   fits the model's context in one affordable forward is prefilled in one shot, so that the end of
   the prompt (the question) is the observation window of the compression, as in SnapKV; kept
   tokens then stay at their positions if the method's paper keeps them (``Method.keeps_positions``). A longer
@@ -31,13 +31,7 @@ import torch
 
 from kvcli.engine import Engine, kv_bytes_per_token
 from kvcli.errors import KvcliError
-
-#: Stands in for the document when the chat template is rendered; split on to find prefix and suffix.
-SENTINEL = "KVCLIDOCUMENTSENTINEL"
-
-#: End-of-turn / end-of-text tokens of common chat formats; those in the vocabulary stop generation.
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<end_of_turn>",
-               "<|end|>", "<|eom_id|>")
+from kvcli.prompts import PromptParts
 
 #: One forward pass over this many tokens is what auto one-shot prefill allows at most on a CPU (the
 #: explicit CPU attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
@@ -46,126 +40,6 @@ ONE_SHOT_CAP = {"cpu": 8192}
 #: Share of a GPU's free memory (after loading the model) that an auto one-shot prefill may fill; the
 #: rest is left to the allocator's fragmentation, the decode steps and other processes on the card.
 ONE_SHOT_MEMORY_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """What to ask about a document: ``text`` for chat models, ``cue`` for base models (no chat template).
-
-    ``answer_prefix`` starts the model's answer (after the assistant marker, or after the cue):
-    "The pass key is" makes a small model answer with the key instead of chatting.
-    """
-
-    text: str
-    cue: str
-    answer_prefix: str = ""
-
-
-#: Named prompts for ``kvcli summarize --template``.
-TEMPLATES: dict[str, Instruction] = {
-    "summary": Instruction("Summarize the text above in a few sentences.", "\n\nSummary:"),
-    "tldr": Instruction("Give a one-sentence TL;DR of the text above.", "\n\nTL;DR:"),
-    "keypoints": Instruction("List the key points of the text above as short bullet points.",
-                             "\n\nKey points:\n-"),
-}
-
-
-#: How ``kvcli ask`` frames the user's question for a chat model. After thousands of tokens of a book a
-#: small chat model given the bare question often goes on with the book or chats about it; told what to
-#: do first, it answers (measured with full attention on held-in books: docs/reading.md).
-ASK_FRAME = "Answer the question about the text above in one short sentence.\nQuestion: {question}"
-
-
-def question_instruction(question: str, answer_prefix: str = "") -> Instruction:
-    """The instruction of ``kvcli ask``: the question in :data:`ASK_FRAME`, or a Question/Answer cue for base
-    models."""
-    question = question.strip()
-    return Instruction(ASK_FRAME.format(question=question), f"\n\nQuestion: {question}\nAnswer:", answer_prefix)
-
-
-def custom_instruction(prompt: str, answer_prefix: str = "") -> Instruction:
-    """A user's ``--prompt``: the same text for chat and base models."""
-    prompt = prompt.strip()
-    return Instruction(prompt, f"\n\n{prompt}\n", answer_prefix)
-
-
-@dataclass
-class PromptParts:
-    """Token ids around the document: ``prefix + document + suffix`` is the whole prompt."""
-
-    prefix: list[int]
-    suffix: list[int]
-    chat: bool  # built with the tokenizer's chat template (False: plain-text fallback)
-
-
-def leading_special_tokens(tokenizer) -> list[int]:
-    """The special tokens the tokenizer puts in front of a text (BOS), learned from a probe."""
-    with_special = list(tokenizer("x", add_special_tokens=True).input_ids)
-    plain = list(tokenizer("x", add_special_tokens=False).input_ids)
-    for start in range(len(with_special) - len(plain) + 1):
-        if with_special[start:start + len(plain)] == plain:
-            return with_special[:start]
-    return []
-
-
-def render_chat(tokenizer, content: str) -> str | None:
-    """The chat template rendered for one user turn and the assistant's start; None without a template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    try:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                 add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - a template that cannot render one user turn: use the plain fallback
-        return None
-    return rendered if isinstance(rendered, str) else None
-
-
-def build_prompt(tokenizer, instruction: Instruction, use_chat: bool = True) -> PromptParts:
-    """Split the prompt into the tokens before and after the document.
-
-    With a chat template the user turn is ``document + "\\n\\n" + instruction``: the template is
-    rendered with a sentinel in place of the document and split there, so the prefix is everything
-    up to where the user's content starts (system prompt, BOS, role markers) and the suffix is the
-    instruction, the end of the user turn, the start of the assistant's and the answer prefix, if
-    any. Without a template the prefix is the tokenizer's BOS and the suffix a plain-text cue such
-    as ``"\\n\\nSummary:"``.
-    """
-    rendered = render_chat(tokenizer, f"{SENTINEL}\n\n{instruction.text}") if use_chat else None
-    primer = instruction.answer_prefix
-    if rendered is not None and rendered.count(SENTINEL) == 1:
-        before, after = rendered.split(SENTINEL)
-        return PromptParts(encode(tokenizer, before), encode(tokenizer, after + primer), chat=True)
-    cue = instruction.cue + (" " + primer if primer else "")
-    return PromptParts(leading_special_tokens(tokenizer), encode(tokenizer, cue), chat=False)
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of a piece of prompt; special tokens written in the text (``<|im_start|>``) are parsed."""
-    if not text:
-        return []
-    return list(tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
-
-
-def stop_token_ids(tokenizer, model=None, stop: Iterable[str] = ()) -> set[int]:
-    """Ids that end generation: EOS of the tokenizer and generation config, end-of-turn tokens, and
-    every ``stop`` string that is a single token of the vocabulary."""
-    ids: set[int] = set()
-
-    def add(value) -> None:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
-
-    add(getattr(tokenizer, "eos_token_id", None))
-    config = getattr(model, "generation_config", None) if model is not None else None
-    if config is not None:
-        add(getattr(config, "eos_token_id", None))
-    vocab = tokenizer.get_vocab()
-    for token in (*END_OF_TURN, *stop):
-        if token in vocab:
-            ids.add(vocab[token])
-    return ids
 
 
 class TextStream:
@@ -447,7 +321,7 @@ def _chain(first: Iterable[list[int]], rest: Iterator[list[int]]) -> Iterator[li
 
 
 def document_tokens(documents, tokenizer, separator: str = "\n\n") -> Iterator[list[int]]:
-    """Token ids of one or more :class:`kvcli.text.Document` as one text, without BOS/EOS (the
+    """Token ids of one or more :class:`kvcli.documents.Document` as one text, without BOS/EOS (the
     prompt's prefix carries them), documents joined by ``separator``."""
     from kvcli.text import token_stream
 

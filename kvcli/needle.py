@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 from kvcli.engine import Engine, check_budget
 from kvcli.errors import UsageError
-from kvcli.generate import Reader, build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.generate import Reader
+from kvcli.prompts import build_prompt, encode, question_instruction, stop_token_ids
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer with the number only."

@@ -17,12 +17,13 @@ import torch
 from kvcli.checkpoint import Checkpointer
 from kvcli.corpus import content_of, run_corpus
 from kvcli.distributed import Ranks
+from kvcli.documents import Document
 from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals, kv_bytes_per_token
 from kvcli.errors import UsageError
 from kvcli.models import LoadedModel
 from kvcli.outputs import SideFailures
 from kvcli.report import peak_memory_bytes, reset_peak_memory
-from kvcli.text import Document, TokenChunk, TokenFeed, iter_tokens, leading_special_tokens, token_stream
+from kvcli.text import TokenChunk, TokenFeed, iter_tokens, leading_special_tokens, token_stream
 
 
 @dataclass

@@ -8,21 +8,19 @@ import torch
 
 from kvcli.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.generate import (
+from kvcli.generate import Generation, Reader, TextStream
+from kvcli.methods import METHODS, make_method
+from kvcli.models import tiny_llama
+from kvcli.needle import NEEDLE, excerpt_offset, haystack, haystacks, is_correct, sentence_break, word_break
+from kvcli.prompts import (
     TEMPLATES,
-    Generation,
     Instruction,
     PromptParts,
-    Reader,
-    TextStream,
     build_prompt,
     encode,
     question_instruction,
     stop_token_ids,
 )
-from kvcli.methods import METHODS, make_method
-from kvcli.models import tiny_llama
-from kvcli.needle import NEEDLE, excerpt_offset, haystack, haystacks, is_correct, sentence_break, word_break
 
 DOC = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do."
 
@@ -315,9 +313,10 @@ def one_thread():
 
 def test_pass_key_from_a_real_book_excerpt(smollm, books, one_thread):
     """The default model finds a key hidden in a ~1.5k-token excerpt, read one-shot and compressed to 512."""
-    from kvcli.generate import Reader, question_instruction
+    from kvcli.documents import open_source
+    from kvcli.generate import Reader
     from kvcli.needle import ANSWER_PREFIX, QUESTION, book_tokens
-    from kvcli.text import open_source
+    from kvcli.prompts import question_instruction
 
     tokenizer = smollm.tokenizer
     method = "snapkv" if "snapkv" in METHODS else "full"

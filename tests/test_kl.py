@@ -51,9 +51,10 @@ def test_a_compressed_run_diverges_from_full(invoke, tiny_model_dir, folder, tmp
 
 
 def test_cache_256_diverges_more_than_1024_on_the_default_model(smollm, books, tmp_path):
+    from kvcli.documents import open_source
     from kvcli.engine import Engine
     from kvcli.methods import make_method
-    from kvcli.text import first_tokens, open_source
+    from kvcli.text import first_tokens
 
     ids, _ = first_tokens(open_source(str(books / "pg11-alice-in-wonderland.txt")), smollm.tokenizer, 1537)
     vocab = smollm.model.config.vocab_size

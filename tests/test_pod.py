@@ -353,8 +353,8 @@ def test_groups_from_similarity_follow_the_vote_and_algorithm_1():
 
 
 def test_calibrate_on_a_tiny_model(tmp_path, smol_tokenizer, tiny_model_dir):
+    from kvcli.documents import open_source
     from kvcli.models import load_model
-    from kvcli.text import open_source
 
     book = tmp_path / "book.txt"
     book.write_text(" ".join(f"word{i % 97} and more text" for i in range(2000)))
@@ -505,8 +505,8 @@ def test_pod_default_window_fits_the_default_cache_with_a_selection():
 
 def test_adapt_trains_resumes_and_saves_a_folder_pod_loads(tmp_path, tiny_model_dir):
     from kvcli.adapt import STATE_FILE, adapt
+    from kvcli.documents import open_source
     from kvcli.models import load_model
-    from kvcli.text import open_source
 
     book = tmp_path / "book.txt"
     book.write_text(" ".join(f"word{i % 53} then text" for i in range(1500)))

@@ -17,8 +17,9 @@ from support import max_pooled, retained_fraction
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvcli.engine import Engine
-from kvcli.generate import PromptParts, Reader
+from kvcli.generate import Reader
 from kvcli.methods import make_method
+from kvcli.prompts import PromptParts
 
 
 def ids_of(n: int, seed: int = 3) -> torch.Tensor:

@@ -29,7 +29,7 @@ def test_help(invoke, command):
 
 
 def test_summarize_streams_exactly_the_summary_to_stdout(invoke, tiny_model_dir, book, smol_tokenizer):
-    from kvcli.generate import TEMPLATES, build_prompt
+    from kvcli.prompts import TEMPLATES, build_prompt
 
     common = [str(book), *tiny(tiny_model_dir), "--method", "streamingllm", "--cache", "64", "--block", "32",
               "--max-new-tokens", "24", "--temperature", "1.0", "--seed", "3"]

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from kvcli.documents import Document, open_source, read_text
 from kvcli.errors import KvcliError
-from kvcli.text import Document, TokenChunk, iter_tokens, open_source, read_text
+from kvcli.text import TokenChunk, iter_tokens
 
 BOOKS = Path(__file__).parents[1].parent / "shared/data/books"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

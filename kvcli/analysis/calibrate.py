@@ -97,7 +97,7 @@ def calibrate(model: torch.nn.Module, tokenizer, documents: Iterable, threshold:
               on_sample: Callable[[int, int], None] | None = None) -> GroupsFile:
     """PoD's offline exploration (Algorithm 1) for ``model``: the head-wise layer groups as a :class:`GroupsFile`.
 
-    ``n`` sequences of ``length`` tokens from ``documents`` (:class:`kvcli.text.Document`), the last
+    ``n`` sequences of ``length`` tokens from ``documents`` (:class:`kvcli.documents.Document`), the last
     ``q`` queries of each, similarity threshold ``threshold``. ``on_sample(done, total)`` reports
     progress. Save the result with :meth:`GroupsFile.save` and pass it as ``-o groups=FILE``.
     """
@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     import sys
     import time
 
+    from kvcli.documents import open_source
     from kvcli.errors import KvcliError
     from kvcli.models import DEFAULT_MODEL, load_model
-    from kvcli.text import open_source
 
     parser = argparse.ArgumentParser(prog="python -m kvcli.analysis.calibrate", description=calibrate.__doc__)
     parser.add_argument("sources", nargs="+", help="text files or folders of .txt files")

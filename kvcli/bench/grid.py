@@ -18,6 +18,7 @@ import torch
 
 from kvcli import __version__
 from kvcli.bench.results import GridResult, load_results, run_key, save_results
+from kvcli.documents import Document
 from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals
 from kvcli.errors import KvcliError, UsageError
 from kvcli.kl import KLMeter, LogitsWriter, Reference, token_digest
@@ -25,7 +26,7 @@ from kvcli.methods import METHODS, Method, make_method
 from kvcli.models import LoadedModel
 from kvcli.perplexity import PerplexityRun
 from kvcli.report import peak_memory_bytes, reset_peak_memory
-from kvcli.text import Document, first_tokens
+from kvcli.text import first_tokens
 
 DEFAULT_MAX_TOKENS = 8192
 #: The full-attention reference every run's KL divergence is measured against, kept beside results.json.

@@ -28,10 +28,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvcli.documents import open_source
 from kvcli.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models import load_model
-from kvcli.text import first_tokens, open_source
+from kvcli.text import first_tokens
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -87,7 +87,7 @@ class Setup:
 
     def documents(self, source: str, data_dir: Path | None = None) -> list:
         """SOURCE as documents, checked before any model loads."""
-        from kvcli.text import open_source
+        from kvcli.documents import open_source
 
         return open_source(source, encoding=self.encoding, data_dir=data_dir, warn=self.say)
 

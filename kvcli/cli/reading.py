@@ -123,7 +123,8 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
                    ) -> None:
     """The shared body of ``summarize`` and ``ask``."""
     from kvcli.cli.render import reading_summary
-    from kvcli.generate import Reader, build_prompt, document_tokens, stop_token_ids
+    from kvcli.generate import Reader, document_tokens
+    from kvcli.prompts import build_prompt, stop_token_ids
     from kvcli.report import (
         ReadProgress,
         StdoutStream,
@@ -273,7 +274,7 @@ def summarize(
     read: ReadOptions,
 ) -> None:
     """Read SOURCE (any length) through a fixed-size KV cache, then write a summary of it to stdout."""
-    from kvcli.generate import TEMPLATES, custom_instruction
+    from kvcli.prompts import TEMPLATES, custom_instruction
 
     if prompt is not None and template is not None:
         raise UsageError("--prompt and --template are alternatives: give one")
@@ -300,7 +301,7 @@ def ask(
     read: ReadOptions,
 ) -> None:
     """Answer QUESTION about SOURCE; the question steers which tokens the compressed cache keeps."""
-    from kvcli.generate import question_instruction
+    from kvcli.prompts import question_instruction
 
     if not question.strip():
         raise UsageError("the question is empty")

@@ -40,9 +40,10 @@ from tqdm import tqdm
 
 from kvcli.engine import Engine
 from kvcli.errors import BudgetError, KvcliError, UsageError
-from kvcli.generate import Generation, PromptParts, Reader, one_shot_limit, stop_token_ids
+from kvcli.generate import Generation, Reader, one_shot_limit
 from kvcli.methods import make_method
 from kvcli.models import DEFAULT_MODEL, load_model
+from kvcli.prompts import PromptParts, stop_token_ids
 from kvcli.report import warn
 from kvcli.text import leading_special_tokens
 
