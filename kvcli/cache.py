@@ -11,6 +11,10 @@ Why it looks like this:
   shot within the trained context can instead keep every token where it entered
   (``KVCache.keep_positions``), as SnapKV, PyramidKV, H2O, TOVA and PyramidInfer do: compacting a kept key's
   neighbours together breaks the model's copying of it (see docs/methods.md).
+  When the heads of a layer keep different tokens (SnapKV-style selection), a token gets one
+  position in every head that holds it: the distinct tokens of all heads sit at consecutive
+  positions in stream order, so each head's tokens keep the gaps its other heads fill (beyond the
+  papers, which never stream per-head selections; see docs/methods.md).
 * Keys are stored as they were rotated when they entered (RoPE at their entry position) and are
   rotated by the difference to their current position each time they are read. Rotating the
   stored copy in place after every eviction would round a long-lived key once per move in bf16;
@@ -143,9 +147,16 @@ class CompressedLayer(CacheLayerMixin):
         return empty if quant is None else QuantizedTokens(empty, quant)
 
     def current_positions(self, block_start: int) -> torch.Tensor:
-        """Positions the cached tokens hold now: consecutive, ending right before ``block_start``."""
+        """Positions the cached tokens hold now, ending right before ``block_start``: ``[1, T]``, consecutive in
+        every head, or ``[H, T]`` when the heads keep different tokens (:attr:`KVCache.heads_apart`): then
+        the distinct tokens of all heads take consecutive positions in stream order, so a token has one
+        position in every head that holds it (:func:`kvcli.joined.union_offsets`)."""
+        if self.owner.heads_apart:
+            from kvcli.joined import union_offsets
+
+            return block_start - union_offsets([self.token_idx])
         length = self.get_seq_length()
-        return torch.arange(block_start - length, block_start, device=self.device)
+        return torch.arange(block_start - length, block_start, device=self.device)[None, :]
 
     def needs_rotation(self, block_start: int) -> bool:
         """Whether a forward starting at ``block_start`` sees some cached key away from where it entered."""
@@ -160,7 +171,7 @@ class CompressedLayer(CacheLayerMixin):
         joined = self.owner.rotated(self, block_start)  # rotated with other layers' at once (KVCache.plan_rotation)
         if joined is not None:
             return joined
-        delta = self.current_positions(block_start)[None, :] - self.entry_pos
+        delta = self.current_positions(block_start) - self.entry_pos
         return rotate_keys(keys, delta, self.inv_freq)
 
     def join_kind(self, rotation: bool) -> tuple | None:
@@ -255,6 +266,10 @@ class KVCache(Cache):
         self.question_scores = False
         self.probing = False
         self.keep_positions = False  # True: no re-assignment, a token's position is its index in the stream
+        #: The method keeps different tokens in different KV heads: re-assigned positions follow the stream
+        #: order of the tokens all heads of a layer hold together, not each head's own count
+        #: (:meth:`CompressedLayer.current_positions`). Set by :meth:`kvcli.engine.Engine.new_cache`.
+        self.heads_apart = False
         #: Quantized keys and values (``--kv-bits`` 8, 4, 2; see :mod:`kvcli.quant`), or None: the model's
         #: precision. Set before the first forward (:meth:`quantize`).
         self.kv_quant: KVQuant | None = None
@@ -316,7 +331,8 @@ class KVCache(Cache):
         members = self._pending.get(layer.layer_idx)
         if members is not None:
             rotated = rotated_keys([m.keys for m in members], [m.entry_pos for m in members], block_start,
-                                   self.inv_freqs[members[0].layer_idx])
+                                   self.inv_freqs[members[0].layer_idx],
+                                   [m.token_idx for m in members] if self.heads_apart else None)
             for member, keys in zip(members, rotated, strict=True):
                 self._pending.pop(member.layer_idx)
                 self._rotated[member.layer_idx] = (member.keys, keys)

@@ -122,7 +122,21 @@ class Engine:
         return layer_budgets(self.method, self.architecture, self.budget, self.num_layers)
 
     def new_cache(self) -> KVCache:
-        return self.method.new_cache(self.model).quantize(self.kv_bits)
+        cache = self.method.new_cache(self.model).quantize(self.kv_bits)
+        cache.heads_apart = self.heads_apart
+        return cache
+
+    @property
+    def heads_apart(self) -> bool:
+        """Whether streamed positions follow the tokens all KV heads of a layer hold (:attr:`KVCache.heads_apart`):
+        when the method's heads keep different tokens and the span that gives, at most every head's budget
+        side by side plus two blocks, stays within the trained context (else each head's tokens are compacted)."""
+        if not (self.budgets and self.method.selects_per_head()):
+            return False
+        config = self.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        span = heads * max(budget or 0 for budget in self.budgets) + 2 * self.block
+        return not self.trained_context or span <= self.trained_context
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,

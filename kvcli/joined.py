@@ -66,14 +66,59 @@ def join(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def rotated_keys(keys: Sequence[torch.Tensor], entry_pos: Sequence[torch.Tensor], block_start: int,
-                 inv_freq: torch.Tensor) -> list[torch.Tensor]:
+                 inv_freq: torch.Tensor, token_idx: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Each layer's keys ``[1, H, T_l, D]`` (rotated at ``entry_pos`` ``[H, T_l]``) rotated to their current
-    positions, all layers in one rotation; the layers must share ``inv_freq``."""
+    positions, all layers in one rotation; the layers must share ``inv_freq``. With the layers' stream
+    indices ``token_idx``, a layer's heads share one order of positions (:func:`union_offsets`); without,
+    each head's tokens are consecutive (:func:`current_positions`)."""
     lengths = tuple(key.shape[-2] for key in keys)
     device = keys[0].device
-    delta = current_positions(lengths, block_start, device) - join(entry_pos, dim=1)
+    if token_idx is not None:
+        delta = (block_start - union_offsets(token_idx)) - join(entry_pos, dim=1)
+    else:
+        delta = current_positions(lengths, block_start, device) - join(entry_pos, dim=1)
     rotated = rotate_keys(join(keys, dim=2), delta, inv_freq)
     return list(rotated.split(lengths, dim=2)) if len(keys) > 1 else [rotated]
+
+
+#: Sorts after every stream index: pads the token indices of shorter layers in :func:`union_offsets`.
+_PAD = torch.iinfo(torch.long).max
+
+
+def union_offsets(token_idx: Sequence[torch.Tensor]) -> torch.Tensor:
+    """How far before the next block each cached token sits when a layer's heads share one order of positions:
+    ``[H, sum T_l]`` for the layers' stream indices ``[H, T_l]``, joined along tokens.
+
+    The distinct tokens a layer's heads hold, in stream order, take consecutive positions ending right before
+    the block: a token held by several heads has one position in all of them, and the gaps between a head's
+    tokens are the tokens its other heads hold (:meth:`kvcli.cache.CompressedLayer.current_positions`).
+    The most recent token is 1 before the block, the oldest as many as the layer holds distinct tokens.
+    All layers are ranked at once: each layer's indices are one row (padded past its length), sorted.
+    """
+    heads = token_idx[0].shape[0]
+    lengths = tuple(index.shape[1] for index in token_idx)
+    width = heads * max(lengths)
+    place = _row_places(lengths, heads, token_idx[0].device)  # [H, sum T_l]: where each index goes in the rows
+    rows = torch.full((len(lengths) * width,), _PAD, dtype=torch.long, device=place.device)
+    rows = rows.scatter_(0, place.view(-1), join(token_idx, dim=1).reshape(-1)).view(len(lengths), width)
+    values, order = rows.sort(dim=1)
+    first = torch.ones_like(values, dtype=torch.bool)
+    first[:, 1:] = values[:, 1:] != values[:, :-1]  # the first of equal indices (one token held by several heads)
+    if any(length != lengths[0] for length in lengths):
+        first &= values != _PAD
+    rank = first.cumsum(dim=1)  # 1 for the oldest distinct token, equal for every copy of a token
+    ahead = torch.empty_like(rank).scatter_(1, order, rank[:, -1:] - rank + 1)
+    return torch.take(ahead, place)
+
+
+@lru_cache(maxsize=32)
+def _row_places(lengths: tuple[int, ...], heads: int, device: torch.device) -> torch.Tensor:
+    """``[H, sum T_l]``: for each element of the layers' ``[H, T_l]`` joined along tokens, its place in rows of
+    ``H * max(T_l)`` elements, one row per layer, head after head (made once per shape, read only)."""
+    width = heads * max(lengths)
+    parts = [(layer * width + torch.arange(heads * length, device=device)).view(heads, length)
+             for layer, length in enumerate(lengths)]
+    return torch.cat(parts, dim=1)
 
 
 def joined_index(indices: Sequence[torch.Tensor], lengths: Sequence[int]) -> torch.Tensor:

@@ -117,3 +117,53 @@ def test_engine_streams_the_same_joined_or_layer_by_layer(tiny, name, monkeypatc
     together = run()
     monkeypatch.setattr(joined, "JOIN_ELEMENTS", 1)
     assert run() == together
+
+
+def literal_offsets(token_idx: torch.Tensor) -> list[list[int]]:
+    """Each head's tokens: how many distinct tokens of the layer's heads are at or after it in the stream."""
+    union = sorted(set(token_idx.flatten().tolist()))
+    return [[len(union) - union.index(token) for token in row] for row in token_idx.tolist()]
+
+
+@pytest.mark.parametrize("lengths", [[6], [6, 6, 6], [3, 9, 5]])
+def test_heads_share_one_order_of_positions(lengths):
+    """``union_offsets``: a token's distance to the block counts the distinct tokens any head holds after it."""
+    gen = torch.Generator().manual_seed(len(lengths))
+    layers = [torch.stack([torch.sort(torch.randperm(3 * length, generator=gen)[:length]).values
+                           for _ in range(HEADS)]) for length in lengths]
+    offsets = joined.union_offsets(layers).split(lengths, dim=1)
+    for layer, got in zip(layers, offsets, strict=True):
+        assert got.tolist() == literal_offsets(layer)
+
+
+def test_heads_apart_rotate_to_the_union_positions_joined_or_alone():
+    cache = filled([12, 16, 14])
+    gen = torch.Generator().manual_seed(7)
+    for layer, count in zip(cache.layers, [5, 9, 7], strict=True):  # each head keeps tokens of its own
+        length = layer.get_seq_length()
+        layer.keep(torch.stack([torch.sort(torch.randperm(length, generator=gen)[:count]).values
+                                for _ in range(HEADS)]))
+    assert any(len(set(map(tuple, layer.token_idx.tolist()))) > 1 for layer in cache.layers)
+    cache.heads_apart = True
+    start = 40
+    alone = [layer.current_keys(start) for layer in cache.layers]
+    for layer, keys in zip(cache.layers, alone, strict=True):
+        positions = start - torch.tensor(literal_offsets(layer.token_idx))
+        assert torch.equal(keys, rotate_keys(layer.keys, positions - layer.entry_pos, layer.inv_freq))
+    cache.block_start = start
+    cache.plan_rotation()
+    assert all(torch.equal(layer.current_keys(start), keys) for layer, keys in zip(cache.layers, alone, strict=True))
+
+
+def test_heads_apart_only_for_methods_whose_heads_choose_apart_within_the_context(tiny):
+    from kvcli.engine import Engine
+
+    assert Engine(tiny, make_method("snapkv"), 48, 16).new_cache().heads_apart
+    assert Engine(tiny, make_method("treekv"), 48, 16).new_cache().heads_apart
+    assert not Engine(tiny, make_method("streamingllm"), 48, 16).new_cache().heads_apart
+    assert not Engine(tiny, make_method("pyramidinfer"), 48, 16).new_cache().heads_apart  # heads=mean
+    context = tiny.config.max_position_embeddings
+    heads = tiny.config.num_key_value_heads
+    too_wide = (context - 2 * 16) // heads + 1  # every head's budget side by side would pass the context
+    assert not Engine(tiny, make_method("snapkv"), too_wide, 16).new_cache().heads_apart
+    assert Engine(tiny, make_method("snapkv"), too_wide - 1, 16).new_cache().heads_apart

@@ -51,6 +51,11 @@ class Method:
         """How many of a forward's last queries must record their attention (0: none needed)."""
         return 0
 
+    def selects_per_head(self) -> bool:
+        """Whether the KV heads of a layer may keep different tokens (then a streamed cache gives a token one
+        position in all of them: :attr:`kvcli.cache.KVCache.heads_apart`)."""
+        return False
+
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         """Tokens each layer may keep, averaging ``budget``; uniform unless the method allocates across layers."""
         return [budget] * num_layers
@@ -128,6 +133,9 @@ class ScoredMethod(Method):
 
     def validate(self, budget: int) -> None:
         check_split(budget, self.sinks, self.recent)
+
+    def selects_per_head(self) -> bool:
+        return True
 
     def kept_recent(self, view: LayerView, budget: int) -> int:
         """The recent window, protected like the sinks."""

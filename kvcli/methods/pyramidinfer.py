@@ -181,6 +181,9 @@ class PyramidInfer(ScoredMethod):
             raise UsageError(f"heads must be one of {', '.join(HEADS)} (got {self.heads!r})")
         check_split(budget, self.sinks, self.recent)
 
+    def selects_per_head(self) -> bool:
+        return self.heads == "kv"  # mean: one token set per layer
+
     def nests(self) -> bool:
         return self.nest
 

@@ -106,6 +106,9 @@ class TreeKV(Method):
                            "tokens around the question's attention peaks sit out the block's pair rule; 0 = off")
     kernel: int = param(15, "max-pooling width (odd) of the question's attention when picking guarded tokens")
 
+    def selects_per_head(self) -> bool:
+        return True
+
     def score_window(self, block_len: int) -> int:
         return min(self.window, block_len)
 
