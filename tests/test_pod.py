@@ -376,9 +376,11 @@ def test_calibrate_on_a_tiny_model(tmp_path, smol_tokenizer, tiny_model_dir):
 # --- PoD with a token selection at a fixed budget (issue #12 item 4, beyond the paper) ----------------------
 
 
-def run_budget(model, method, ids, budget, block=16):
+def run_budget(model, method, ids, budget, block=16, heads_apart=None):
     engine = Engine(model, method, budget, block=block)
     cache = engine.new_cache()
+    if heads_apart is not None:
+        cache.heads_apart = heads_apart
     hidden = torch.cat([engine.forward(cache, ids[None, i:i + block]) for i in range(0, ids.shape[0], block)])
     return hidden, cache
 
@@ -386,10 +388,11 @@ def run_budget(model, method, ids, budget, block=16):
 @pytest.mark.parametrize("select,options", [("streamingllm", {"sinks": 4}), ("snapkv", {"sinks": 4, "recent": 7}),
                                             ("treekv", {"sinks": 4, "recent": 7}), ("h2o", {"sinks": 4, "recent": 7})])
 def test_pod_selection_without_sharing_is_the_selection_itself(select, options):
-    """Every layer its own block: PoD + selection keeps, rotates and attends exactly like the selection alone."""
+    """Every layer its own block: PoD + selection keeps, rotates and attends exactly like the selection alone
+    (with each head's tokens compacted on their own, as PoD's layers place them: no ``heads_apart``)."""
     model = tiny()
     ids = torch.randint(0, 128, (160,), generator=torch.Generator().manual_seed(8))
-    alone, alone_cache = run_budget(model, make_method(select, options), ids, 48)
+    alone, alone_cache = run_budget(model, make_method(select, options), ids, 48, heads_apart=False)
     pod = make_method("pod", {"groups": GroupsFile.separate(model.config), "sinks": 4, "recent": 8, "select": select})
     both, cache = run_budget(model, pod, ids, 48)
     assert torch.equal(both, alone)
