@@ -134,7 +134,7 @@ def gather_joined(parts: Sequence[torch.Tensor], index: torch.Tensor, counts: Se
     """Per-layer tensors kept at the joined ``index``: one gather, split back into per-layer views of
     ``counts`` tokens. ``parts`` are ``[H, T_l]`` with ``index`` ``[H, sum k_l]`` (:func:`joined_index`),
     or ``[1, H, T_l, D]`` with ``index`` expanded to ``[1, H, sum k_l, D]`` (:func:`wide_index`)."""
-    dim = parts[0].dim() - 1 if parts[0].dim() == 2 else 2
+    dim = 1 if parts[0].dim() == 2 else 2
     gathered = join(parts, dim).gather(dim, index)
     return list(gathered.split(list(counts), dim=dim)) if len(parts) > 1 else [gathered]
 

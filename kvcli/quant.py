@@ -245,8 +245,9 @@ def gather_tokens(x: torch.Tensor | QuantizedTokens, indices: torch.Tensor) -> t
     if isinstance(x, QuantizedTokens):
         x.gather(indices)
         return x
-    heads, count = indices.shape
-    return x.gather(2, indices[None, :, :, None].expand(1, heads, count, x.shape[-1]))
+    from kvcli.joined import wide_index
+
+    return x.gather(2, wide_index(indices, x.shape[-1]))
 
 
 def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype) -> int:

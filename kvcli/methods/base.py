@@ -338,9 +338,17 @@ def pad_tokens(rows: torch.Tensor, width: int, fill: float) -> torch.Tensor:
     return rows if missing == 0 else F.pad(rows, (0, missing), value=fill)
 
 
+def recorded_probs(view: LayerView) -> torch.Tensor:
+    """The attention the layer's record holds ``[H_kv, group, T]``, for its cached tokens only (a probe's
+    record also covers the probe's own keys, which are not kept)."""
+    probs = view.record.probs
+    return probs if probs.shape[-1] == view.length else probs[..., : view.length]
+
+
 @lru_cache(maxsize=16)
 def past_lengths(lengths: tuple[int, ...], rows: int, width: int, device: torch.device) -> torch.Tensor:
-    """``[L * rows, width]``: True past each layer's length (the padding of :meth:`ScoredMethod.padded_scores`)."""
+    """``[L * rows, width]``: True from each layer's length on, ``rows`` rows a layer (the padding of
+    :meth:`ScoredMethod.padded_scores`, a window past a prefix, the columns past a count)."""
     columns = torch.arange(width, device=device)  # compared with Python ints: no copy from the host on a GPU
     return torch.stack([columns >= length for length in lengths]).repeat_interleave(rows, dim=0)
 
@@ -364,9 +372,7 @@ def _uneven_masks(spans: tuple[tuple[int, int, int], ...], counts: tuple[int, ..
     """The protected tokens ``[L * rows, width]``, and the columns past each layer's count ``[L * rows, max(counts)]``
     (made once per shape: a stream repeats its lengths and counts block after block)."""
     protected = torch.stack([pad_tokens(recent_and_sinks(*span, device), width, False) for span in spans])
-    columns = torch.arange(max(counts), device=device)
-    beyond = torch.stack([columns >= count for count in counts])
-    return protected.repeat_interleave(rows, dim=0), beyond.repeat_interleave(rows, dim=0)
+    return protected.repeat_interleave(rows, dim=0), past_lengths(counts, rows, max(counts), device)
 
 
 def group_mean(probs: torch.Tensor) -> torch.Tensor:

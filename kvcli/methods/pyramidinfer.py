@@ -83,6 +83,7 @@ from kvcli.methods.base import (
     past_lengths,
     per_token_rows,
     pool_scores,
+    recorded_probs,
     select_top,
     set_per_token_rows,
 )
@@ -255,9 +256,7 @@ class PyramidInfer(ScoredMethod):
         if views[0].record is None or any(state is None for state in states):
             return super().padded_scores(views, width)  # no record to fold in, or a layer's first block
         heads, count = views[0].num_heads, len(views)
-        probs = [view.record.probs if view.record.probs.shape[-1] == view.length
-                 else view.record.probs[..., : view.length] for view in views]
-        fresh = layer_rows([pad_tokens(p, width, 0.0) for p in probs]).mean(dim=1)  # GQA group averaged
+        fresh = layer_rows([pad_tokens(recorded_probs(view), width, 0.0) for view in views]).mean(dim=1)  # GQA mean
         if self.heads == "mean":
             layers = fresh.view(count, heads, width)
             fresh = layers.mean(dim=1, keepdim=True).expand_as(layers).reshape(count * heads, width)

@@ -9,12 +9,20 @@ top-scoring tokens next to the window tokens themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from kvcli.errors import UsageError
 from kvcli.lazy import torch
-from kvcli.methods.base import ScoredMethod, check_split, layer_rows, pad_tokens, param, pool_scores
+from kvcli.methods.base import (
+    ScoredMethod,
+    check_split,
+    layer_rows,
+    pad_tokens,
+    param,
+    past_lengths,
+    pool_scores,
+    recorded_probs,
+)
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
@@ -88,20 +96,11 @@ class SnapKV(ScoredMethod):
         alone, and then get their raw scores back."""
         if any(view.record is None for view in views):
             raise RuntimeError("snapkv-style selection needs the attention of the observation window")
-        probs = [view.record.probs if view.record.probs.shape[-1] == view.length
-                 else view.record.probs[..., : view.length] for view in views]
-        scores = layer_rows([pad_tokens(p, width, float("-inf")) for p in probs]).mean(dim=1)
+        scores = layer_rows([pad_tokens(recorded_probs(view), width, float("-inf")) for view in views]).mean(dim=1)
         if self.kernel <= 1:
             return scores
         prefixes = tuple(view.length - min(view.record.own_window, view.num_new, view.length) for view in views)
-        prefix = _prefix_mask(prefixes, views[0].num_heads, width, scores.device)
+        unpooled = past_lengths(prefixes, views[0].num_heads, width, scores.device)  # each layer's window on
         neutral = float("-inf") if self.pooling == "max" else 0.0
-        pooled = pool_scores(scores.masked_fill(~prefix, neutral), self.kernel, self.pooling)
-        return torch.where(prefix, pooled, scores)
-
-
-@lru_cache(maxsize=16)
-def _prefix_mask(prefixes: tuple[int, ...], heads: int, width: int, device: torch.device) -> torch.Tensor:
-    """``[L * heads, width]``: True on each layer's tokens before its window (what SnapKV pools)."""
-    columns = torch.arange(width, device=device)  # compared with Python ints: no copy from the host on a GPU
-    return torch.stack([columns < prefix for prefix in prefixes]).repeat_interleave(heads, dim=0)
+        pooled = pool_scores(scores.masked_fill(unpooled, neutral), self.kernel, self.pooling)
+        return torch.where(unpooled, scores, pooled)
