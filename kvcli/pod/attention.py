@@ -52,10 +52,8 @@ class SharingPlan:
         self.leads = self.leads.to(torch.long).cpu()
         kv_heads, layers = self.leads.shape
         self._leads = self.leads.tolist()  # read as Python ints: no tensor read inside a forward
-        self._lead_heads = [[h for h in range(kv_heads) if int(self.leads[h, layer]) == layer]
-                            for layer in range(layers)]
-        self._other_heads = [[h for h in range(kv_heads) if int(self.leads[h, layer]) != layer]
-                             for layer in range(layers)]
+        self._lead_heads = [[h for h in range(kv_heads) if self._leads[h][layer] == layer] for layer in range(layers)]
+        self._other_heads = [[h for h in range(kv_heads) if self._leads[h][layer] != layer] for layer in range(layers)]
         self._last_reader = {}
         for layer in range(layers):
             for lead in self.leads[:, layer].tolist():
@@ -143,9 +141,7 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
         own_slots, own_proximal, hidden = held_masks(n, length, *held, sinks, recent, device)
     else:
         first = int(query_slots[0]) if first is None else first
-        i, t = query_slots[:, None], own_slots[None, :]
-        own_proximal = (t <= i) & ((t < sinks) | (t > i - recent))  # [n, S]
-        hidden = torch.arange(length, device=device)[None, :] > i  # the slots after each query
+        own_proximal, hidden = _query_masks(query_slots, own_slots, length, sinks, recent)
     if CHECKS:
         needed = torch.cat((torch.arange(min(sinks, length), device=device),
                             torch.arange(max(first - recent + 1, 0), length, device=device)))
@@ -182,12 +178,24 @@ def held_masks(n: int, length: int, held_sinks: int, held_recent: int, sinks: in
     """For the block's last ``n`` slots of ``length`` as queries, against own keys at the first ``held_sinks``
     and the last ``held_recent`` slots: those slots ``[S]``, which of them are proximal to each query
     ``[n, S]``, and the slots after each query ``[n, length]`` (made once per block, read only)."""
-    own_slots = torch.cat((torch.arange(held_sinks, device=device),
-                           torch.arange(length - held_recent, length, device=device)))
-    query_slots = torch.arange(length - n, length, device=device)[:, None]
-    t = own_slots[None, :]
-    own_proximal = (t <= query_slots) & ((t < sinks) | (t > query_slots - recent))
-    return own_slots, own_proximal, torch.arange(length, device=device)[None, :] > query_slots
+    own_slots = edge_slots(held_sinks, held_recent, length, device)
+    query_slots = torch.arange(length - n, length, device=device)
+    return own_slots, *_query_masks(query_slots, own_slots, length, sinks, recent)
+
+
+def _query_masks(query_slots: torch.Tensor, own_slots: torch.Tensor, length: int, sinks: int, recent: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of ``own_slots`` ``[S]`` are proximal to each query at ``query_slots`` ``[n]`` (``[n, S]``), and
+    the slots of ``length`` after each query (``[n, length]``, masked)."""
+    i, t = query_slots[:, None], own_slots[None, :]
+    own_proximal = (t <= i) & ((t < sinks) | (t > i - recent))
+    return own_proximal, torch.arange(length, device=query_slots.device)[None, :] > i
+
+
+def edge_slots(first: int, last: int, length: int, device: torch.device) -> torch.Tensor:
+    """The first ``first`` and the last ``last`` of ``length`` slots, ascending: what a non-lead layer keeps
+    keys of (its sinks and recent window)."""
+    return torch.cat((torch.arange(first, device=device), torch.arange(length - last, length, device=device)))
 
 
 # --- a whole sequence without a cache (post-training, references) ---------------------------------------

@@ -33,7 +33,7 @@ from kvcli.attention import dense_attention
 from kvcli.cache import CompressedLayer, KVCache
 from kvcli.errors import UnsupportedModelError
 from kvcli.pod import attention as pod_attention
-from kvcli.pod.attention import SharingPlan, shared_attention
+from kvcli.pod.attention import SharingPlan, edge_slots, shared_attention
 from kvcli.quant import QuantizedTokens, gather_tokens, nbytes, stored
 from kvcli.rope import rotate_keys
 
@@ -136,9 +136,7 @@ class PodLayer(CompressedLayer):
     # --- kvcli ---------------------------------------------------------------------------------
     def near_slots(self) -> torch.Tensor:
         """The slots ``near_keys`` hold, ascending: ``[0, near_sinks)`` and the last ``near_recent``."""
-        length = self.get_seq_length()
-        return torch.cat((torch.arange(self.near_sinks, device=self.device),
-                          torch.arange(length - self.near_recent, length, device=self.device)))
+        return edge_slots(self.near_sinks, self.near_recent, self.get_seq_length(), self.device)
 
     def slot_positions(self) -> torch.Tensor:
         """Current position of every slot during a forward: consecutive, the new block's at ``block_start..``."""
@@ -218,8 +216,7 @@ class PodLayer(CompressedLayer):
         if (sinks, recent) == (self.near_sinks, self.near_recent):
             return
         stored = self.near_slots()
-        wanted = torch.cat((torch.arange(sinks, device=self.device),
-                            torch.arange(length - recent, length, device=self.device)))
+        wanted = edge_slots(sinks, recent, length, self.device)
         keep = torch.searchsorted(stored, wanted).clamp(max=max(stored.shape[0] - 1, 0))
         if pod_attention.CHECKS and wanted.numel() and not torch.equal(stored[keep], wanted):
             raise RuntimeError("PoD: a key still proximal was already freed (cache bookkeeping bug)")
