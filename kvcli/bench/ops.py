@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--methods", default=",".join(name for name in METHODS if name != "full"))
     parser.add_argument("--top", type=int, default=0, help="also list the N op names each method adds most")
+    parser.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE",
+                        type=lambda item: tuple(item.split("=", 1)) if "=" in item else parser.error(
+                            f"-o {item!r}: expected KEY=VALUE"),
+                        help="a method parameter, given to every method listed (e.g. --methods pod -o recent=128)")
     args = parser.parse_args(argv)
     model = build_model(args.shape)
     vocab = model.config.vocab_size
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| method | engine ops | ratio | host reads |")
     print("| --- | ---: | ---: | ---: |")
     for name in args.methods.split(","):
-        counted = engine_block_ops(model, make_method(name), args.cache, args.block, ids)
+        counted = engine_block_ops(model, make_method(name, dict(args.options)), args.cache, args.block, ids)
         print(f"| {name} | {counted.total:,} | {counted.total / plain.total:.2f}x | {counted.host_reads} |")
         if args.top:
             extra = counted.ops.copy()
