@@ -22,6 +22,7 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from kvcli.cache import AttentionRecord, KVCache
@@ -148,11 +149,17 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Without a mask, a prefill into an empty cache (as many keys as queries) takes SDPA's causal
     kernel, which never materialises the ``n x n`` probabilities; a block against a cache, or any
-    block of a window layer, gets the block-causal (windowed) mask.
+    block of a window layer, gets the block-causal (windowed) mask. On CUDA a block or a generated
+    token against a cache says "causal, aligned to the last key" instead (``causal_lower_right``),
+    which runs the flash kernel directly: the backend SDPA picks for a boolean mask (cuDNN on an
+    H100) builds a plan for every new key length, and a cache that grows while writing, or layers of
+    different lengths, make a new length at every layer and step.
     """
     q_len, k_len = query.shape[2], key.shape[2]
     mask = attention_mask
-    if mask is None and (sliding_window is not None or (q_len > 1 and q_len != k_len)):
+    if mask is None and sliding_window is None and q_len != k_len and query.device.type == "cuda":
+        mask = causal_lower_right(q_len, k_len)
+    elif mask is None and (sliding_window is not None or (q_len > 1 and q_len != k_len)):
         mask = block_causal_mask(q_len, k_len, query.device, sliding_window)
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scaling,

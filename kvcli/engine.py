@@ -62,6 +62,21 @@ def check_budget(method: Method, budget: int | None) -> int | None:
 DEFAULT_BLOCK = {"cpu": 256, "cuda": 1024}
 
 
+#: Rows of logits a CPU projects at a time in :meth:`Engine.token_nll`: small enough for its caches.
+NLL_ROWS_CPU = 64
+
+#: On a GPU the rows of one projection are bounded by their fp32 logits instead (2^26 values, 256 MiB): a
+#: few large matmuls keep the card busy, where 64-row ones each cost a launch and run far below its rate.
+NLL_VALUES_GPU = 1 << 26
+
+
+def nll_chunk(device: torch.device | str, vocab: int) -> int:
+    """Rows of hidden states :meth:`Engine.token_nll` projects to logits at once on ``device``."""
+    if torch.device(device).type == "cpu":
+        return NLL_ROWS_CPU
+    return max(NLL_ROWS_CPU, NLL_VALUES_GPU // vocab)
+
+
 def default_block(device: torch.device | str) -> int:
     """The block size kvcli uses on ``device`` unless told otherwise (``--block auto``)."""
     return DEFAULT_BLOCK.get(torch.device(device).type, DEFAULT_BLOCK["cpu"])
@@ -221,17 +236,19 @@ class Engine:
         return self.head(hidden)
 
     @torch.inference_mode()
-    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 64,
+    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int | None = None,
                   on_logits: LogitsHook | None = None) -> torch.Tensor:
         """NLL (nats, float32) of ``targets[i]`` given ``hidden[i]``, projecting a few rows at a time.
 
         Chunks keep the logits small enough for the CPU's caches and never build the block's full
-        log-softmax output, which ``cross_entropy`` over the whole block would. ``on_logits`` sees
+        log-softmax output, which ``cross_entropy`` over the whole block would; ``chunk`` None is
+        :func:`nll_chunk`'s rows for the device. ``on_logits`` sees
         each chunk's log-probabilities ``[rows, V]`` (float32) and targets, in stream order
         (``kvcli ppl --save-logits/--kl-base``).
         """
         out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
         targets = targets.to(hidden.device)
+        chunk = chunk or nll_chunk(hidden.device, self.head.out_features)
         for i in range(0, targets.shape[0], chunk):
             logits = self.head(hidden[i:i + chunk]).float()
             picked = logits.gather(1, targets[i:i + chunk, None])[:, 0]

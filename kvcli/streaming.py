@@ -93,7 +93,7 @@ class BlockScorer(Protocol):
 
     def forward(self, cache: KVCache, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 64,
+    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int | None = None,
                   on_logits: LogitsHook | None = None) -> torch.Tensor: ...
 
     def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, score_from: int = 0,

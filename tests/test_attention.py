@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvcli.attention import explicit_attention, window_attention
@@ -47,3 +48,20 @@ def test_bf16_cpu_scores_keep_the_same_tokens_as_an_fp32_reference():
     bf16_sums = torch.softmax(logits, dim=-1)[:, :, -window:].sum(dim=2, dtype=torch.float32)
     assert bf16_sums.shape == scores.shape
     assert not torch.equal(kept(bf16_sums), kept(reference))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("queries,cached", [(1, 37), (1, 38), (16, 40), (64, 64)])
+def test_cuda_blocks_and_generated_tokens_match_the_explicit_attention(queries, cached):
+    """On CUDA a block against a cache is causal aligned to its last key (the flash kernel, no boolean mask):
+    the same output and window scores as the explicit path's block-causal mask, GQA included."""
+    from kvcli.attention import sdpa_attention
+
+    generator = torch.Generator().manual_seed(queries + cached)
+    q = torch.randn(1, 8, queries, 64, generator=generator)
+    k = torch.randn(1, 2, queries + cached, 64, generator=generator)
+    v = torch.randn(1, 2, queries + cached, 64, generator=generator)
+    want, want_scores = explicit_attention(q, k, v, 0.125, 4)
+    got, got_scores = sdpa_attention(q.cuda().half(), k.cuda().half(), v.cuda().half(), None, 0.125, 4)
+    assert torch.allclose(got.float().cpu(), want, atol=2e-2)
+    assert torch.allclose(got_scores.cpu(), want_scores, atol=2e-2)

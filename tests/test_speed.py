@@ -75,6 +75,25 @@ def test_bench_speed_json_on_the_tiny_shape(invoke):
     assert result.stderr == ""
 
 
+def test_bench_speed_decode_lines(invoke):
+    """``--decode N``: one-token greedy steps against the full cache, plain then each method. StreamingLLM's
+    cache stays at its budget while writing; SnapKV's grows by the steps (it keeps the answer)."""
+    result = invoke("bench-speed", "--shape", "tiny", "--methods", "streamingllm,snapkv", "--cache", "32",
+                    "--block", "16", "--tokens", "32", "--decode", "5", "--device", "cpu", "--matmul-size", "128",
+                    "--json", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    rows = {row["line"]: row for row in out["rows"]}
+    assert [row["kind"] for row in out["rows"]][3:] == ["decode-plain", "decode", "decode"]
+    assert out["decode_steps"] == 5
+    for line in ("decode plain (sdpa)", "decode kvcli streamingllm", "decode kvcli snapkv"):
+        assert rows[line]["tokens"] == 5 and rows[line]["tokens_per_second"] > 0
+    assert rows["decode kvcli streamingllm"]["vs_plain"] > 0
+    per_token = rows["kvcli streamingllm"]["kv_cache_bytes"] / 32
+    assert rows["decode kvcli streamingllm"]["kv_cache_bytes"] == rows["kvcli streamingllm"]["kv_cache_bytes"]
+    assert rows["decode kvcli snapkv"]["kv_cache_bytes"] == rows["kvcli snapkv"]["kv_cache_bytes"] + 7 * per_token
+
+
 def test_bench_speed_table_and_progress(invoke):
     result = invoke("bench-speed", "--shape", "tiny", "--cache", "16", "--block", "8", "--tokens", "16",
                     "--device", "cpu", "--matmul-size", "128")
@@ -90,6 +109,7 @@ def test_bench_speed_table_and_progress(invoke):
     (["--methods", "full"], "--methods full: it keeps every token"),
     (["--cache", "0"], "--cache must be a positive number"),
     (["--block", "zero"], "--block must be a number of tokens or auto"),
+    (["--decode", "-1"], "--decode must be at least 0"),
 ])
 def test_bench_speed_usage_errors_are_one_line_and_exit_2(invoke, args, message):
     result = invoke("bench-speed", *args)

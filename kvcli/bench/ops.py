@@ -20,7 +20,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 #: ``int()`` or ``bool()`` of a tensor dispatches ``aten.item`` (or ``is_nonzero``) here, not the
 #: ``_local_scalar_dense`` it becomes below: all of them are counted.
 HOST_READS = frozenset({"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
-                        "aten.equal.default", "aten.is_nonzero.default"})
+                        "aten.equal.default", "aten.is_nonzero.default", "aten.masked_select.default"})
+
+#: How a boolean-mask index (``x[mask]``) is counted: its result's size depends on the mask's values, so on
+#: CUDA the kernel reads the mask's count back first, but it dispatches as ``aten.index`` with no ``nonzero``.
+MASK_INDEX = "aten.index.Tensor[bool]"
 
 
 @dataclass
@@ -35,7 +39,7 @@ class OpCount:
 
     @property
     def host_reads(self) -> int:
-        return sum(count for name, count in self.ops.items() if name in HOST_READS)
+        return sum(count for name, count in self.ops.items() if name in HOST_READS or name == MASK_INDEX)
 
 
 class _Counting(TorchDispatchMode):
@@ -44,7 +48,11 @@ class _Counting(TorchDispatchMode):
         self.into = into
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.into.ops[str(func)] += 1
+        name = str(func)
+        if name == "aten.index.Tensor" and any(index is not None and index.dtype == torch.bool
+                                               for index in args[1]):
+            name = MASK_INDEX
+        self.into.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
 

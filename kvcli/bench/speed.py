@@ -207,14 +207,80 @@ def time_plain(model, ids: torch.Tensor, cache: int, block: int) -> Timing:
     return Timing(tokens, seconds, peak_memory_bytes(device))
 
 
+def next_token(logits: torch.Tensor) -> int:
+    """The greedy next token, read to the host as ``kvcli ask`` reads every sampled token (one read a step)."""
+    return int(logits.argmax())
+
+
+def time_decode_engine(model, method, ids: torch.Tensor, cache: int, block: int, steps: int) -> Timing:
+    """``steps`` greedy one-token steps of kvcli's engine after a read of ``cache + block`` tokens (the cache
+    full, compressed once), each step a compressed forward marked ``decoding`` as ``kvcli ask`` writes."""
+    from kvcli.engine import Engine
+    from kvcli.report import peak_memory_bytes, reset_peak_memory
+
+    device = next(model.parameters()).device
+    engine = Engine(model, method, cache, block=block)
+    kv = engine.new_cache()
+    hidden = engine.forward(kv, ids[None, :block], last_only=True)
+    for start in range(block, cache + block, block):
+        hidden = engine.forward(kv, ids[None, start:start + block], last_only=True)
+    token = next_token(engine.logits(hidden[-1:])[0])
+    for _ in range(2):  # warm-up steps: first-call allocations and kernel choices
+        token = next_token(engine.logits(engine.forward(kv, torch.tensor([[token]]), decoding=True))[0])
+    synchronize(device)
+    reset_peak_memory(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        token = next_token(engine.logits(engine.forward(kv, torch.tensor([[token]]), decoding=True))[0])
+    synchronize(device)
+    return Timing(steps, time.perf_counter() - started, peak_memory_bytes(device), kv.nbytes())
+
+
+def time_decode_plain(model, ids: torch.Tensor, cache: int, steps: int) -> Timing:
+    """``steps`` greedy one-token stock forwards (SDPA, ``DynamicCache``) after a one-shot read of ``cache``
+    tokens, the cache cropped back to ``cache`` tokens after every step as the engine's stays at its budget."""
+    from transformers import DynamicCache
+
+    from kvcli.report import peak_memory_bytes, reset_peak_memory
+
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    model.set_attn_implementation("sdpa")
+    try:
+        past = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            out = model(input_ids=ids[None, :cache], past_key_values=past, use_cache=True, logits_to_keep=1)
+            token = next_token(out.logits[0, -1])
+            position = torch.tensor([[cache]], device=device)
+
+            def step(token: int) -> int:
+                logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=past,
+                               use_cache=True, position_ids=position).logits[0, -1]
+                past.crop(-1)
+                return next_token(logits)
+
+            for _ in range(2):
+                token = step(token)
+            synchronize(device)
+            reset_peak_memory(device)
+            started = time.perf_counter()
+            for _ in range(steps):
+                token = step(token)
+            synchronize(device)
+        return Timing(steps, time.perf_counter() - started, peak_memory_bytes(device))
+    finally:
+        model.set_attn_implementation("kvcli")
+
+
 def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None = None, tokens: int | None = None,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, matmul_size: int | None = None,
-              seed: int = 0, note: Callable[[str], None] | None = None) -> dict:
+              seed: int = 0, decode: int = 0, note: Callable[[str], None] | None = None) -> dict:
     """Build shape ``shape`` and time a plain forward and kvcli with each of ``methods`` (built
     :class:`kvcli.methods.base.Method` objects) on the same random tokens; one dict for ``--json``.
 
     ``block`` None is the engine's default for the device, ``tokens`` None :data:`DEFAULT_TOKENS`; the tokens
-    timed are rounded down to whole blocks (at least one).
+    timed are rounded down to whole blocks (at least one). ``decode`` > 0 adds lines of that many greedy
+    one-token steps against the full cache (plain, then each method): what writing an answer costs.
     """
     from kvcli.engine import default_block
 
@@ -245,6 +311,19 @@ def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None
         note(f"kvcli {method.name}: {tokens:,} tokens")
         timing = time_engine(model, method, ids, cache, block)
         rows.append(row(f"kvcli {method.name}", "engine", method.name, timing, plain.tokens_per_second))
+    if decode:
+        per_step = flops_per_token(model, cache + 1)
+        note(f"decode: {decode} one-token steps against {cache:,} cached tokens")
+        plain_decode = time_decode_plain(model, ids, cache, decode)
+        rows.append(row("decode plain (sdpa)", "decode-plain", None, plain_decode, None))
+        for method in methods:
+            note(f"decode kvcli {method.name}: {decode} steps")
+            timing = time_decode_engine(model, method, ids, cache, block, decode)
+            rows.append(row(f"decode kvcli {method.name}", "decode", method.name, timing,
+                            plain_decode.tokens_per_second))
+        for line in rows[-len(methods) - 1:]:  # a step's useful work is one token against the whole cache
+            line["tflops"] = per_step * line["tokens_per_second"] / 1e12
+            line["mfu"] = per_step * line["tokens_per_second"] / peak
     config = model.config
     return {
         "shape": shape,
@@ -255,6 +334,7 @@ def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None
         "cache": cache,
         "block": block,
         "tokens": tokens,
+        "decode_steps": decode,
         "layers": config.num_hidden_layers,
         "parameters": sum(p.numel() for p in model.parameters()),
         "matmul_parameters": matmul_parameters(model),

@@ -44,6 +44,9 @@ def bench_speed(
     matmul_size: Annotated[int | None, typer.Option("--matmul-size", help="Side of the square matmul whose "
                                                     "measured rate MFU is relative to (default 8192 on a GPU, "
                                                     "1024 on a CPU).")] = None,
+    decode: Annotated[int, typer.Option("--decode", help="Also time this many greedy one-token steps against the "
+                                        "full cache (plain, then each method): the speed of writing an answer. "
+                                        "0: none.")] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights and tokens.")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
     quiet: QuietOpt = False,
@@ -59,6 +62,7 @@ def bench_speed(
         raise UsageError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
     check_cache(cache)
     check_at_least(1, tokens=tokens, matmul_size=matmul_size)
+    check_at_least(0, decode=decode)
     block_size = parse_block(block)
     names = list(dict.fromkeys(split_list(methods, str, "--methods")))
     options = method_options(names, option)
@@ -75,5 +79,5 @@ def bench_speed(
             stderr_console.print(message, markup=False, highlight=False)
 
     result = run_speed(shape, built, cache=cache, block=block_size, tokens=tokens, device=torch_device,
-                       dtype=torch_dtype, matmul_size=matmul_size, seed=seed, note=note)
+                       dtype=torch_dtype, matmul_size=matmul_size, seed=seed, decode=decode, note=note)
     print_result(dumps(result) if json_out else speed_table(result))

@@ -84,10 +84,15 @@ def pair_rule(scores: torch.Tensor, capacity: int, steps: int, start: int) -> tu
 
 
 def remove(positions: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
-    """``positions`` ``[R, N]`` without the entries at indices ``drop`` ``[R, m]`` (same m per row)."""
-    mask = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-    mask.scatter_(1, drop, False)
-    return positions[mask].view(positions.shape[0], positions.shape[1] - drop.shape[1])
+    """``positions`` ``[R, N]`` without the entries at indices ``drop`` ``[R, m]`` (same m per row).
+
+    A stable sort of the drop flags puts each row's kept entries first, in their order: the result's shape
+    is known without reading the flags, so a GPU never waits (a boolean index would read its count back).
+    """
+    flags = torch.zeros(positions.shape, dtype=torch.uint8, device=positions.device)
+    flags.scatter_(1, drop, 1)
+    kept = flags.argsort(dim=1, stable=True)[:, :positions.shape[1] - drop.shape[1]]
+    return positions.gather(1, kept)
 
 
 @register
