@@ -68,8 +68,10 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 WINDOW_CHUNK_SCORES = 1 << 26
 
 
-def window_probs(logits: torch.Tensor, scaling: float, visible: torch.Tensor | None) -> torch.Tensor:
-    """Softmax of ``scaling`` times the window's ``logits`` ``[H_kv, group, w, keys]``, summed over the queries.
+def window_probs(logits: torch.Tensor, scaling: float, hidden: torch.Tensor | None) -> torch.Tensor:
+    """Softmax of ``scaling`` times the window's ``logits`` ``[H_kv, group, w, keys]``, summed over the queries;
+    ``hidden`` ``[w, m]`` marks which of the last ``m`` keys (the block's own) each query must not see: every
+    cached key before them is visible to all (None: the logits are masked already).
 
     The one place scores are made, for every attention path and device: scaled, softmaxed and summed
     in fp32, so that bf16 rounding of the probabilities never turns near-equal scores into exact ties
@@ -78,15 +80,16 @@ def window_probs(logits: torch.Tensor, scaling: float, visible: torch.Tensor | N
     logits = logits.float()
     if scaling != 1.0:  # the explicit path scaled its queries already
         logits = logits.mul_(scaling)
-    if visible is not None:  # None: the logits are masked already
-        logits.masked_fill_(~visible, float("-inf"))
+    if hidden is not None:
+        logits[..., logits.shape[-1] - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
     return torch.softmax(logits, dim=-1).sum(dim=2)
 
 
 def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
     """Softmax attention of the last ``window`` queries, summed over them: ``[H_kv, group, keys]`` in fp32.
 
-    Summed chunk by chunk of queries, so memory stays bounded when the window is a whole long prompt.
+    Summed chunk by chunk of queries, so memory stays bounded when the window is a whole long prompt;
+    the usual window is one chunk, whose sum is returned as it is (no running total to add it to).
     """
     _, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -94,14 +97,15 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, win
     window = min(window, q_len)
     chunk = max(1, WINDOW_CHUNK_SCORES // (q_heads * k_len))
     keys_t = key[0].transpose(1, 2)
-    total = torch.zeros(kv_heads, group, k_len, dtype=torch.float32, device=query.device)
+    # The block's causal mask, made once per block size whatever the cache's length (layers differ in it).
+    hidden = hidden_by_mask(q_len, q_len, query.device) if q_len > 1 else None
+    total = None
     for first in range(q_len - window, q_len, chunk):
         last = min(first + chunk, q_len)
         rows = query[0, :, first:last, :].reshape(kv_heads, group * (last - first), dim)
         logits = torch.matmul(rows, keys_t).view(kv_heads, group, last - first, k_len)
-        rows_at = torch.arange(first, last, device=query.device)[:, None] + (k_len - q_len)
-        visible = torch.arange(k_len, device=query.device)[None, :] <= rows_at
-        total += window_probs(logits, scaling, visible)
+        probs = window_probs(logits, scaling, None if hidden is None else hidden[first:last])
+        total = probs if total is None else total.add_(probs)
     return total
 
 
