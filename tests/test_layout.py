@@ -99,3 +99,20 @@ def test_no_import_cycle_between_kvcli_modules():
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_documented_scripts_import_names_that_exist():
+    """docs/results/*.py are the commands behind docs/results.md: a module split must not leave them importing
+    a name from where it used to live (each would fail only when someone re-runs a measurement)."""
+    import importlib
+
+    scripts = sorted((Path(kvcli.__file__).parent.parent / "docs" / "results").glob("*.py"))
+    assert scripts
+    missing = []
+    for script in scripts:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvcli"):
+                module = importlib.import_module(node.module)
+                missing += [f"{script.name}: {node.module}.{alias.name}" for alias in node.names
+                            if not hasattr(module, alias.name)]
+    assert not missing, missing

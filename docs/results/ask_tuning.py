@@ -17,10 +17,11 @@ import random
 import time
 
 from kvcli.engine import Engine
-from kvcli.generate import Reader, build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.generate import Reader
 from kvcli.methods import make_method
 from kvcli.models import load_model
 from kvcli.needle import NEEDLES, QUESTIONS, is_correct
+from kvcli.prompts import build_prompt, encode, question_instruction, stop_token_ids
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 

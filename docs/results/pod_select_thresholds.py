@@ -10,10 +10,11 @@ import os
 import sys
 import time
 
+from kvcli.documents import open_source
 from kvcli.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models import load_model
-from kvcli.text import first_tokens, open_source
+from kvcli.text import first_tokens
 
 book, budget, tokens, select = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 loaded = load_model(os.environ.get("MODEL", "smollm2-135m"))
