@@ -106,7 +106,8 @@ def test_engine_streams_alike_batched_or_not(tiny, name, monkeypatch):
 
 @pytest.mark.parametrize(("name", "options"), [
     ("snapkv", {"pooling": "avg", "kernel": 5}), ("snapkv", {"pooling": "max", "kernel": 7}),
-    ("snapkv", {"kernel": 1}), ("pyramidkv", {"pooling": "avg"}), ("h2o", None), ("tova", None),
+    ("snapkv", {"kernel": 1}), ("pyramidkv", {"pooling": "avg"}), ("pyramidkv", {"share": "layer"}),
+    ("snapkv", {"share": "layer", "kernel": 1}), ("h2o", None), ("tova", None),
     ("pyramidinfer", None)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_layers_of_different_lengths_selected_at_once_as_alone(name, options, ties):

@@ -153,32 +153,39 @@ class TOVARef(Reference):
 
 
 class SnapKVRef(Reference):
-    def __init__(self, layers, heads, window, kernel, pooling, sinks, recent):
+    """Per KV head; ``share="layer"``: every head of a layer keeps the tokens of the highest score any head
+    gives each one (its heads then hold the same positions)."""
+
+    def __init__(self, layers, heads, window, kernel, pooling, sinks, recent, share="head"):
         super().__init__(layers, heads)
-        self.window, self.kernel, self.pooling, self.sinks = window, kernel, pooling, sinks
+        self.window, self.kernel, self.pooling, self.sinks, self.share = window, kernel, pooling, sinks, share
         self.recent = window if recent is None else recent
 
-    def choose(self, layer, attn, n, budget):
-        out = []
-        for h in range(self.heads):
-            positions = self.pos[layer][h]
-            length = len(positions)
-            if length <= budget:
-                out.append(list(positions))
+    def head_scores(self, layer, attn, n, h):
+        length = len(self.pos[layer][h])
+        raw = summed_over_window(attn, h, length)
+        prefix = length - min(self.window, n)  # keys outside the observation window
+        half = self.kernel // 2
+        scores = []
+        for i in range(length):
+            if i >= prefix:
+                scores.append(raw[i])
                 continue
-            raw = summed_over_window(attn, h, length)
-            prefix = length - min(self.window, n)  # keys outside the observation window
-            half = self.kernel // 2
-            scores = []
-            for i in range(length):
-                if i >= prefix:
-                    scores.append(raw[i])
-                    continue
-                neighbours = [raw[j] for j in range(i - half, i + half + 1) if 0 <= j < prefix]
-                scores.append(max(neighbours) if self.pooling == "max" else sum(neighbours) / self.kernel)
-            slots = self.pick(scores, self.protected(length, self.sinks, self.recent), budget)
-            out.append(list(self.keep(layer, h, slots)))
-        return out
+            neighbours = [raw[j] for j in range(i - half, i + half + 1) if 0 <= j < prefix]
+            scores.append(max(neighbours) if self.pooling == "max" else sum(neighbours) / self.kernel)
+        return scores
+
+    def choose(self, layer, attn, n, budget):
+        length = len(self.pos[layer][0])
+        if length <= budget:
+            return [list(self.pos[layer][h]) for h in range(self.heads)]
+        per_head = [self.head_scores(layer, attn, n, h) for h in range(self.heads)]
+        protected = self.protected(length, self.sinks, self.recent)
+        if self.share == "layer":
+            shared = [max(scores[i] for scores in per_head) for i in range(length)]
+            slots = self.pick(shared, protected, budget)
+            return [list(self.keep(layer, h, slots)) for h in range(self.heads)]
+        return [list(self.keep(layer, h, self.pick(per_head[h], protected, budget))) for h in range(self.heads)]
 
 
 class PyramidInferRef(Reference):
@@ -268,6 +275,19 @@ def test_snapkv_keeps_the_pooled_window_votes(kernel, pooling, sinks, recent):
     method = make_method("snapkv", options)
     assert method.score_window(8) == 4 and method.score_window(1) == 1
     drive(method, SnapKVRef(1, 2, window, kernel, pooling, sinks, recent), [20], window_of=lambda n: window)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv"])
+def test_a_layer_shared_selection_keeps_one_token_set_per_layer(name):
+    """``share=layer`` (beyond the papers): a layer's KV heads keep the same tokens, those of the highest
+    score any of its heads gives them, and so hold the same positions."""
+    options = {"window": 4, "kernel": 5, "share": "layer"}
+    method = make_method(name, options)
+    assert not method.selects_per_head() and make_method(name, {}).selects_per_head()
+    budgets = method.layer_budgets(20, 2) if name == "pyramidkv" else [20]
+    reference = SnapKVRef(len(budgets), 2, window=4, kernel=5, pooling="max", sinks=0, recent=None, share="layer")
+    cache = drive(method, reference, budgets, window_of=lambda n: 4)
+    assert all(positions[0] == positions[1] for positions in (kept_positions(cache, i) for i in range(len(budgets))))
 
 
 def test_pyramidkv_default_kernel_is_snapkv_default():
@@ -427,6 +447,7 @@ def test_a_reused_method_instance_keeps_no_state_of_its_own(tiny, name):
     ("snapkv", {}, 31),  # the window (32) is always kept
     ("snapkv", {"kernel": 4}, 64),
     ("snapkv", {"pooling": "mean"}, 64),
+    ("snapkv", {"share": "all"}, 64),
     ("pyramidkv", {}, 12),  # 8 kept + beta 5: the top layer would select nothing
     ("pyramidkv", {"beta": 20}, 27),
     ("pyramidkv", {"beta": 0.5}, 128),

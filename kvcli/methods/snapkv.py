@@ -56,6 +56,19 @@ class SnapKV(ScoredMethod):
     pooling: str = param("max", "pooling of the scores: max or avg")
     sinks: int = param(0, "initial tokens always kept (the paper keeps none)")
     recent: int | None = param(None, "most recent tokens always kept (default: the window)")
+    share: str = param("head", "who selects: head (each KV head its own tokens, the paper) or layer (a layer's "
+                       "heads keep the tokens any of them scores highest; beyond the paper)")
+
+    def selects_per_head(self) -> bool:
+        return self.share == "head"
+
+    def _shared(self, scores: torch.Tensor, layers: int) -> torch.Tensor:
+        """Scores ``[L * H, T]`` as the method selects with them: per KV head, or (``share=layer``) one row
+        per layer, each token's highest score over its heads. A layer's heads then keep the same tokens:
+        a key only some heads' queries find stays in all of them (docs/methods.md)."""
+        if self.share == "head":
+            return scores
+        return scores.view(layers, -1, scores.shape[-1]).amax(dim=1)
 
     def recent_tokens(self) -> int:
         return self.window if self.recent is None else self.recent
@@ -67,6 +80,8 @@ class SnapKV(ScoredMethod):
         return min(self.window, block_len)
 
     def validate(self, budget: int) -> None:
+        if self.share not in ("head", "layer"):
+            raise UsageError(f"share must be head or layer (got {self.share!r})")
         check_pooling(self.window, self.kernel, self.pooling)
         check_split(budget, self.sinks, self.recent_tokens())
 
@@ -86,7 +101,8 @@ class SnapKV(ScoredMethod):
         if scores.shape[1] != length:
             scores = scores[:, :length]
         prefix = length - min(view.record.own_window, view.num_new, length)
-        return torch.cat((pool_scores(scores[:, :prefix], self.kernel, self.pooling), scores[:, prefix:]), dim=1)
+        return self._shared(torch.cat((pool_scores(scores[:, :prefix], self.kernel, self.pooling), scores[:, prefix:]),
+                                      dim=1), len(views))
 
     def padded_scores(self, views: list[LayerView], width: int) -> torch.Tensor:
         """:meth:`score_layers` of layers of different lengths at once, rows padded with -inf to ``width``.
@@ -98,9 +114,9 @@ class SnapKV(ScoredMethod):
             raise RuntimeError("snapkv-style selection needs the attention of the observation window")
         scores = layer_rows([pad_tokens(recorded_probs(view), width, float("-inf")) for view in views]).mean(dim=1)
         if self.kernel <= 1:
-            return scores
+            return self._shared(scores, len(views))
         prefixes = tuple(view.length - min(view.record.own_window, view.num_new, view.length) for view in views)
         unpooled = past_lengths(prefixes, views[0].num_heads, width, scores.device)  # each layer's window on
         neutral = float("-inf") if self.pooling == "max" else 0.0
         pooled = pool_scores(scores.masked_fill(unpooled, neutral), self.kernel, self.pooling)
-        return torch.where(unpooled, scores, pooled)
+        return self._shared(torch.where(unpooled, scores, pooled), len(views))
