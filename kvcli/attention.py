@@ -71,18 +71,19 @@ WINDOW_CHUNK_SCORES = 1 << 26
 def window_probs(logits: torch.Tensor, scaling: float, hidden: torch.Tensor | None) -> torch.Tensor:
     """Softmax of ``scaling`` times the window's ``logits`` ``[H_kv, group, w, keys]``, summed over the queries;
     ``hidden`` ``[w, m]`` marks which of the last ``m`` keys (the block's own) each query must not see: every
-    cached key before them is visible to all (None: the logits are masked already).
+    cached key before them is visible to all (None: the logits are masked already). With ``scaling`` 1 and
+    a mask, the logits are masked in place (the caller's own tensor).
 
-    The one place scores are made, for every attention path and device: scaled, softmaxed and summed
-    in fp32, so that bf16 rounding of the probabilities never turns near-equal scores into exact ties
-    (which the eviction rules break to the left) on one device and not on another.
+    The one place scores are made, for every attention path and device: softmaxed and summed in fp32,
+    so that bf16 rounding of the probabilities never turns near-equal scores into exact ties (which the
+    eviction rules break to the left) on one device and not on another. The softmax reads the logits
+    in their own dtype and computes in fp32 (no fp32 copy of the logits first).
     """
-    logits = logits.float()
-    if scaling != 1.0:  # the explicit path scaled its queries already
-        logits = logits.mul_(scaling)
+    if scaling != 1.0:
+        logits = logits.float().mul_(scaling)
     if hidden is not None:
         logits[..., logits.shape[-1] - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
-    return torch.softmax(logits, dim=-1).sum(dim=2)
+    return torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=2)
 
 
 def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
@@ -102,9 +103,10 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, win
     total = None
     for first in range(q_len - window, q_len, chunk):
         last = min(first + chunk, q_len)
-        rows = query[0, :, first:last, :].reshape(kv_heads, group * (last - first), dim)
+        # Queries scaled before the matmul, as the explicit path scales them: the same scores on both paths.
+        rows = (query[0, :, first:last, :] * scaling).reshape(kv_heads, group * (last - first), dim)
         logits = torch.matmul(rows, keys_t).view(kv_heads, group, last - first, k_len)
-        probs = window_probs(logits, scaling, None if hidden is None else hidden[first:last])
+        probs = window_probs(logits, 1.0, None if hidden is None else hidden[first:last])
         total = probs if total is None else total.add_(probs)
     return total
 
