@@ -68,19 +68,18 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 WINDOW_CHUNK_SCORES = 1 << 26
 
 
-def window_probs(logits: torch.Tensor, scaling: float, hidden: torch.Tensor | None) -> torch.Tensor:
-    """Softmax of ``scaling`` times the window's ``logits`` ``[H_kv, group, w, keys]``, summed over the queries;
+def window_probs(logits: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+    """Softmax of the window's scaled ``logits`` ``[H_kv, group, w, keys]``, summed over the queries;
     ``hidden`` ``[w, m]`` marks which of the last ``m`` keys (the block's own) each query must not see: every
-    cached key before them is visible to all (None: the logits are masked already). With ``scaling`` 1 and
-    a mask, the logits are masked in place (the caller's own tensor).
+    cached key before them is visible to all (None: the logits are masked already). With a mask, the logits
+    are masked in place (the caller's own tensor).
 
-    The one place scores are made, for every attention path and device: softmaxed and summed in fp32,
-    so that bf16 rounding of the probabilities never turns near-equal scores into exact ties (which the
-    eviction rules break to the left) on one device and not on another. The softmax reads the logits
-    in their own dtype and computes in fp32 (no fp32 copy of the logits first).
+    The one place scores are made, for every attention path and device: from logits of queries scaled
+    before the matmul, softmaxed and summed in fp32, so that bf16 rounding of the probabilities never
+    turns near-equal scores into exact ties (which the eviction rules break to the left) on one device
+    and not on another. The softmax reads the logits in their own dtype and computes in fp32 (no fp32
+    copy of the logits first).
     """
-    if scaling != 1.0:
-        logits = logits.float().mul_(scaling)
     if hidden is not None:
         logits[..., logits.shape[-1] - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
     return torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=2)
@@ -106,7 +105,7 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, win
         # Queries scaled before the matmul, as the explicit path scales them: the same scores on both paths.
         rows = (query[0, :, first:last, :] * scaling).reshape(kv_heads, group * (last - first), dim)
         logits = torch.matmul(rows, keys_t).view(kv_heads, group, last - first, k_len)
-        probs = window_probs(logits, 1.0, None if hidden is None else hidden[first:last])
+        probs = window_probs(logits, None if hidden is None else hidden[first:last])
         total = probs if total is None else total.add_(probs)
     return total
 
@@ -137,7 +136,7 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         new_part.masked_fill_(hidden_by_mask(q_len, q_len, query.device), float("-inf"))
     tail = None
     if window > 0:  # the scaling is already in the logits
-        tail = window_probs(logits[:, :, q_len - min(window, q_len):, :], 1.0, None)
+        tail = window_probs(logits[:, :, q_len - min(window, q_len):, :], None)
     if sinks is None:
         probs = torch.softmax(logits, dim=-1)
     else:
