@@ -212,36 +212,44 @@ def next_token(logits: torch.Tensor) -> int:
     return int(logits.argmax())
 
 
-def time_decode_engine(model, method, ids: torch.Tensor, cache: int, block: int, steps: int) -> Timing:
-    """``steps`` greedy one-token steps of kvcli's engine after a read of ``cache + block`` tokens (the cache
-    full, compressed once), each step a compressed forward marked ``decoding`` as ``kvcli ask`` writes."""
-    from kvcli.engine import Engine
+def time_steps(step: Callable[[int], int], token: int, steps: int, device: torch.device) -> Timing:
+    """``steps`` calls of ``step`` (a token in, the next token out) after two untimed ones (first-call
+    allocations and kernel choices), the device synchronised around the clock, the peak memory of the timed ones."""
     from kvcli.report import peak_memory_bytes, reset_peak_memory
 
-    device = next(model.parameters()).device
-    engine = Engine(model, method, cache, block=block)
-    kv = engine.new_cache()
-    hidden = engine.forward(kv, ids[None, :block], last_only=True)
-    for start in range(block, cache + block, block):
-        hidden = engine.forward(kv, ids[None, start:start + block], last_only=True)
-    token = next_token(engine.logits(hidden[-1:])[0])
-    for _ in range(2):  # warm-up steps: first-call allocations and kernel choices
-        token = next_token(engine.logits(engine.forward(kv, torch.tensor([[token]]), decoding=True))[0])
+    for _ in range(2):
+        token = step(token)
     synchronize(device)
     reset_peak_memory(device)
     started = time.perf_counter()
     for _ in range(steps):
-        token = next_token(engine.logits(engine.forward(kv, torch.tensor([[token]]), decoding=True))[0])
+        token = step(token)
     synchronize(device)
-    return Timing(steps, time.perf_counter() - started, peak_memory_bytes(device), kv.nbytes())
+    return Timing(steps, time.perf_counter() - started, peak_memory_bytes(device))
+
+
+def time_decode_engine(model, method, ids: torch.Tensor, cache: int, block: int, steps: int) -> Timing:
+    """``steps`` greedy one-token steps of kvcli's engine after a read of ``cache + block`` tokens (the cache
+    full, compressed once), each step a compressed forward marked ``decoding`` as ``kvcli ask`` writes."""
+    from kvcli.engine import Engine
+
+    engine = Engine(model, method, cache, block=block)
+    kv = engine.new_cache()
+    for start in range(0, cache + block, block):
+        hidden = engine.forward(kv, ids[None, start:start + block], last_only=True)
+
+    def step(token: int) -> int:
+        return next_token(engine.logits(engine.forward(kv, torch.tensor([[token]]), decoding=True))[0])
+
+    timing = time_steps(step, next_token(engine.logits(hidden[-1:])[0]), steps, next(model.parameters()).device)
+    timing.kv_cache_bytes = kv.nbytes()
+    return timing
 
 
 def time_decode_plain(model, ids: torch.Tensor, cache: int, steps: int) -> Timing:
     """``steps`` greedy one-token stock forwards (SDPA, ``DynamicCache``) after a one-shot read of ``cache``
     tokens, the cache cropped back to ``cache`` tokens after every step as the engine's stays at its budget."""
     from transformers import DynamicCache
-
-    from kvcli.report import peak_memory_bytes, reset_peak_memory
 
     device = next(model.parameters()).device
     ids = ids.to(device)
@@ -250,7 +258,6 @@ def time_decode_plain(model, ids: torch.Tensor, cache: int, steps: int) -> Timin
         past = DynamicCache(config=model.config)
         with torch.inference_mode():
             out = model(input_ids=ids[None, :cache], past_key_values=past, use_cache=True, logits_to_keep=1)
-            token = next_token(out.logits[0, -1])
             position = torch.tensor([[cache]], device=device)
 
             def step(token: int) -> int:
@@ -259,15 +266,7 @@ def time_decode_plain(model, ids: torch.Tensor, cache: int, steps: int) -> Timin
                 past.crop(-1)
                 return next_token(logits)
 
-            for _ in range(2):
-                token = step(token)
-            synchronize(device)
-            reset_peak_memory(device)
-            started = time.perf_counter()
-            for _ in range(steps):
-                token = step(token)
-            synchronize(device)
-        return Timing(steps, time.perf_counter() - started, peak_memory_bytes(device))
+            return time_steps(step, next_token(out.logits[0, -1]), steps, device)
     finally:
         model.set_attn_implementation("kvcli")
 
@@ -297,10 +296,11 @@ def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None
     peak = matmul_rate(device, dtype, matmul_size)
     per_token = flops_per_token(model, attended_keys(cache, block))
 
-    def row(line: str, kind: str, method: str | None, timing: Timing, plain: float | None) -> dict:
+    def row(line: str, kind: str, method: str | None, timing: Timing, plain: float | None,
+            flops: float = per_token) -> dict:
         speed = timing.tokens_per_second
         return {"line": line, "kind": kind, "method": method, "tokens": timing.tokens, "seconds": timing.seconds,
-                "tokens_per_second": speed, "tflops": per_token * speed / 1e12, "mfu": per_token * speed / peak,
+                "tokens_per_second": speed, "tflops": flops * speed / 1e12, "mfu": flops * speed / peak,
                 "vs_plain": speed / plain if plain else None, "peak_memory_bytes": timing.peak_memory_bytes,
                 "kv_cache_bytes": timing.kv_cache_bytes}
 
@@ -312,18 +312,15 @@ def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None
         timing = time_engine(model, method, ids, cache, block)
         rows.append(row(f"kvcli {method.name}", "engine", method.name, timing, plain.tokens_per_second))
     if decode:
-        per_step = flops_per_token(model, cache + 1)
+        per_step = flops_per_token(model, cache + 1)  # a step's useful work: one token against the whole cache
         note(f"decode: {decode} one-token steps against {cache:,} cached tokens")
         plain_decode = time_decode_plain(model, ids, cache, decode)
-        rows.append(row("decode plain (sdpa)", "decode-plain", None, plain_decode, None))
+        rows.append(row("decode plain (sdpa)", "decode-plain", None, plain_decode, None, per_step))
         for method in methods:
             note(f"decode kvcli {method.name}: {decode} steps")
             timing = time_decode_engine(model, method, ids, cache, block, decode)
             rows.append(row(f"decode kvcli {method.name}", "decode", method.name, timing,
-                            plain_decode.tokens_per_second))
-        for line in rows[-len(methods) - 1:]:  # a step's useful work is one token against the whole cache
-            line["tflops"] = per_step * line["tokens_per_second"] / 1e12
-            line["mfu"] = per_step * line["tokens_per_second"] / peak
+                            plain_decode.tokens_per_second, per_step))
     config = model.config
     return {
         "shape": shape,
