@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+#: How a boolean-mask index (``x[mask]``) is counted: its result's size depends on the mask's values, so on
+#: CUDA the kernel reads the mask's count back first, but it dispatches as ``aten.index`` with no ``nonzero``.
+MASK_INDEX = "aten.index.Tensor[bool]"
+
 #: Operations that copy a device value to the host: on CUDA each one waits for the stream to drain.
 #: ``int()`` or ``bool()`` of a tensor dispatches ``aten.item`` (or ``is_nonzero``) here, not the
 #: ``_local_scalar_dense`` it becomes below: all of them are counted.
 HOST_READS = frozenset({"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
-                        "aten.equal.default", "aten.is_nonzero.default", "aten.masked_select.default"})
-
-#: How a boolean-mask index (``x[mask]``) is counted: its result's size depends on the mask's values, so on
-#: CUDA the kernel reads the mask's count back first, but it dispatches as ``aten.index`` with no ``nonzero``.
-MASK_INDEX = "aten.index.Tensor[bool]"
+                        "aten.equal.default", "aten.is_nonzero.default", "aten.masked_select.default", MASK_INDEX})
 
 
 @dataclass
@@ -39,7 +39,7 @@ class OpCount:
 
     @property
     def host_reads(self) -> int:
-        return sum(count for name, count in self.ops.items() if name in HOST_READS or name == MASK_INDEX)
+        return sum(count for name, count in self.ops.items() if name in HOST_READS)
 
 
 class _Counting(TorchDispatchMode):
