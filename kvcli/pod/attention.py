@@ -112,29 +112,37 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
                      own_slots: torch.Tensor | None, lead_keys: torch.Tensor, values: torch.Tensor,
                      query_slots: torch.Tensor | None, sinks: int, recent: int, scaling: float,
                      tau: float | None = None, window: int = 0, first: int | None = None,
-                     held: tuple[int, int] | None = None,
-                     with_gate: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                     held: tuple[int, int] | None = None, with_gate: bool = False,
+                     rows: slice | torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Eq. 3-4 for the KV heads of a layer that are not their block's lead, all queries of a block at once.
 
     Shapes (``H`` KV heads, ``G`` query heads per KV head, ``n`` queries, ``T`` slots):
 
-    * ``query``, ``lead_query``: ``[H, G, n, D]``, this layer's queries and the lead layer's;
+    * ``query``, ``lead_query``: ``[H, G, n, D]``, this layer's queries and the lead layer's (already
+      multiplied by the scaling when ``scaling`` is 1);
     * ``own_keys``: ``[H, S, D]``, this layer's keys at the slots ``own_slots`` ``[S]`` (every slot
       proximal to some query must be there; distant ones need not be);
     * ``lead_keys``: ``[H, T, D]``, the lead layer's keys of every slot (only distant slots count);
     * ``values``: ``[H, T, Dv]``; ``query_slots``: ``[n]``, the consecutive slots of the queries' own tokens,
       the first of which is ``first`` when the caller knows it (read from ``query_slots`` otherwise).
+      Keys and values may carry a leading batch dimension of 1 (a cache layer's tensors as stored).
 
     A cache layer passes ``held = (s, r)`` instead of ``own_slots`` and ``query_slots``: its own keys are
     those of the first ``s`` and the last ``r`` slots and its queries the block's last ``n`` slots
     (``first`` is ``T - n``), so the masks are made once per block for every layer (:func:`held_masks`).
 
+    ``rows`` (a cache layer whose KV heads lead in part) says which of the ``H`` heads of ``lead_query``,
+    ``lead_keys`` and ``values`` are not leads: ``query`` and ``own_keys`` then hold those heads only, and the
+    other rows, whose lead query and keys are their own, are plain attention (App. C.1) computed in the same
+    batched matmuls, never gated. None: every head shares.
+
     Returns the output ``[H, G, n, Dv]``, the attention of the last ``window`` queries summed over
     them ``[H, G, T]`` (float32, for scoring methods; None when ``window`` is 0) and the gate
-    ``g`` ``[H, G, n]`` (float32; only with a threshold ``tau`` or ``with_gate``, else None).
+    ``g`` ``[h, G, n]`` of the sharing heads (float32; only with a threshold ``tau`` or ``with_gate``, else None).
     """
-    heads, group, n, _ = query.shape
-    length = values.shape[1]
+    heads, group, n, _ = lead_query.shape
+    length = values.shape[-2]
     device = query.device
     if held is not None:
         first = length - n
@@ -149,25 +157,41 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
             raise RuntimeError("PoD: a proximal key is missing from the layer's own keys (cache bookkeeping bug)")
     # Every slot starts with the lead's score (a^D); proximal slots take the layer's own (a^P); the
     # slots after each query are masked. One softmax over the row is Eq. 4's gated mix (App. C.1).
-    logits = torch.matmul((lead_query * scaling).reshape(heads, group * n, -1), lead_keys.transpose(1, 2))
+    if scaling != 1.0:
+        lead_query, query = lead_query * scaling, query * scaling
+    logits = torch.matmul(lead_query.reshape(heads, group * n, -1), lead_keys.transpose(-1, -2))
     logits = logits.view(heads, group, n, length)
-    own = torch.matmul((query * scaling).reshape(heads, group * n, -1), own_keys.transpose(1, 2))
-    own = own.view(heads, group, n, own_slots.shape[0])
+    sharing = query.shape[0]
+    own = torch.matmul(query.reshape(sharing, group * n, -1), own_keys.transpose(-1, -2))
+    own = own.view(sharing, group, n, own_slots.shape[0])
     everything = own_slots.shape[0] == length  # own keys at every slot (distinct slots below T): 0 .. T-1
+    shared = logits if rows is None else logits[rows]  # a view for a slice of heads, a copy for an index
     if everything:
-        logits = torch.where(own_proximal, own, logits)
+        shared = torch.where(own_proximal, own, shared)
     else:
-        logits[..., own_slots] = torch.where(own_proximal, own, logits[..., own_slots])
-    probs = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1, dtype=torch.float32)
+        shared[..., own_slots] = torch.where(own_proximal, own, shared[..., own_slots])
+    if rows is None:
+        logits = shared
+    elif everything or not isinstance(rows, slice):
+        logits[rows] = shared
+    # Scores and the gate read float32 probabilities; the output alone needs none (softmax still sums in float32).
+    exact = window > 0 or tau is not None or with_gate
+    probs = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1,
+                          dtype=torch.float32 if exact else values.dtype)
     gate = None
     if tau is not None or with_gate:
-        proximal_probs = (probs if everything else probs[..., own_slots]) * own_proximal
+        sharing_probs = probs if rows is None else probs[rows]
+        proximal_probs = (sharing_probs if everything else sharing_probs[..., own_slots]) * own_proximal
         gate = proximal_probs.sum(dim=-1)
     if tau is not None:  # appendix B.4: where the gate reaches tau, the distant part is left out (o = o^P)
-        proximal_only = torch.zeros_like(probs)
+        proximal_only = torch.zeros_like(sharing_probs)
         proximal_only[..., own_slots] = proximal_probs / gate[..., None].clamp_min(torch.finfo(torch.float32).tiny)
-        probs = torch.where((gate >= tau)[..., None], proximal_only, probs)
-    output = torch.matmul(probs.to(values.dtype).view(heads, group * n, length), values)
+        gated = torch.where((gate >= tau)[..., None], proximal_only, sharing_probs)
+        if rows is None:
+            probs = gated
+        else:
+            probs[rows] = gated
+    output = torch.matmul((probs.to(values.dtype) if exact else probs).view(heads, group * n, length), values)
     tail = probs[:, :, n - min(window, n):, :].sum(dim=2) if window > 0 else None
     return output.view(heads, group, n, values.shape[-1]), tail, gate
 

@@ -17,9 +17,10 @@ rotated to the slot's current position when read. All layers hold the same slots
 keys, the lead's queries (rotated at the block's positions in the same forward) and the layer's
 own keys always agree on positions.
 
-The lead layer's queries of the current block are needed by the higher layers of its blocks in
-the same forward pass: :attr:`PodCache.shared_queries` holds them from the lead's attention call
-until the last layer that reads them is done.
+The lead layer's queries and keys of the current block are needed by the higher layers of its blocks
+in the same forward pass. :class:`PodCache` holds them for every KV head in two tensors for the forward,
+each head's rows overwritten by the next layer that leads it (blocks are runs of consecutive layers, so
+a head's rows always hold its current lead's), and a layer reads all its heads' leads at once.
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ def _heads_at(heads: tuple[int, ...], device: torch.device) -> slice | torch.Ten
     return torch.tensor(heads, device=device)
 
 
+@lru_cache(maxsize=256)
+def _head_index(heads: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(heads, dtype=torch.long, device=device)
+
+
+def head_index(heads: list[int], device: torch.device) -> torch.Tensor:
+    """The KV heads ``heads`` as an index tensor on ``device``, made once: a write through ``index_copy_`` is
+    one operation where a slice costs two (the view, then the copy)."""
+    return _head_index(tuple(heads), torch.device(device))
+
+
 def heads_at(heads: list[int], device: torch.device) -> slice | torch.Tensor:
     """What indexes the KV heads ``heads`` (ascending) of a tensor on ``device``: a slice (a view)
     when they are consecutive, else an index made once (never a Python list, which becomes a tensor
@@ -61,11 +73,27 @@ class PodCache(KVCache):
         if plan.num_layers != num_layers:
             raise ValueError(f"the plan has {plan.num_layers} layers, the model {num_layers}")
         self.plan = plan
-        #: A lead layer's queries ``[H, G, n, D]`` and rotated lead keys ``[h_lead, T, D]`` in the current
-        #: forward, until the last layer of its blocks has read them.
-        self.shared_queries: dict[int, torch.Tensor] = {}
-        self.shared_keys: dict[int, torch.Tensor] = {}
+        #: In the current forward, per KV head, the scaled queries ``[H, G, n, D]`` and rotated keys ``[1, H, T, D]``
+        #: of the layer that leads it (None between forwards): what a non-lead layer scores distant tokens with.
+        self.lead_queries: torch.Tensor | None = None
+        self.lead_keys: torch.Tensor | None = None
         super().__init__(num_layers, inv_freq)
+
+    def share(self, layer: int, heads: list[int], queries: torch.Tensor, keys: torch.Tensor) -> None:
+        """Hold the scaled ``queries`` ``[h, G, n, D]`` and ``keys`` ``[1, h, T, D]`` of the KV heads ``layer`` leads.
+
+        Layer 0 leads every head, so it starts each forward's tensors; they are copies, since later leads
+        overwrite rows in place and a lead's stored keys must not change."""
+        held = self.lead_queries
+        if layer == 0 or held is None or held.shape[2] != queries.shape[2] or self.lead_keys.shape[2] != keys.shape[2]:
+            if len(heads) == self.plan.kv_heads:
+                self.lead_queries, self.lead_keys = queries.clone(), keys.clone()
+                return
+            self.lead_queries = queries.new_empty((self.plan.kv_heads, *queries.shape[1:]))
+            self.lead_keys = keys.new_empty((1, self.plan.kv_heads, *keys.shape[2:]))
+        rows = head_index(heads, queries.device)
+        self.lead_queries.index_copy_(0, rows, queries)
+        self.lead_keys.index_copy_(1, rows, keys)
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:
         return PodLayer(self, layer_idx)
@@ -118,7 +146,8 @@ class PodLayer(CompressedLayer):
         else:
             self.keys = torch.cat((self.keys, key_states[:, heads_at(self.lead_heads, self.device)]), dim=-2)
             self.values = torch.cat((self.values, value_states), dim=-2)
-        self.near_keys = torch.cat((self.near_keys, key_states[:, heads_at(self.other_heads, self.device)]), dim=-2)
+        if self.other_heads:  # a layer that leads every head holds no proximal keys of its own
+            self.near_keys = torch.cat((self.near_keys, key_states[:, heads_at(self.other_heads, self.device)]), dim=-2)
         self.near_recent += new
         self.entry_pos = torch.cat((self.entry_pos, positions), dim=-1)
         self.token_idx = torch.cat((self.token_idx, tokens), dim=-1)
@@ -164,50 +193,41 @@ class PodLayer(CompressedLayer):
                window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """PoD attention of this layer for a block of queries ``[1, Hq, n, D]``, then free distant keys.
 
-        Lead heads get plain full attention through kvcli's ordinary path (App. C.1: exactly full
-        attention); the other heads get :func:`~kvcli.pod.attention.shared_attention` with their
-        lead's queries and keys. Returns ``([1, Hq, n, Dv], window attention [H, G, T] or None)``.
+        A layer whose every head leads is plain attention on kvcli's ordinary path. Otherwise one
+        :func:`~kvcli.pod.attention.shared_attention` serves all heads: the others with their lead's
+        queries and keys, the lead heads with their own (App. C.1: exactly full attention, bit for bit
+        in ``tests/test_pod.py``), so a layer costs one attention's operations, not two.
+        Returns ``([1, Hq, n, Dv], window attention [H, G, T] or None)``.
         """
         owner, plan = self.owner, self.owner.plan
         layer = self.layer_idx
         n = query.shape[2]
         kv_heads = self.values.shape[1]
         group = query.shape[1] // kv_heads
-        length = self.get_seq_length()
-        grouped = query.view(1, kv_heads, group, n, -1)
         values = stored(self.values)  # dequantized once per call when quantized
-        output = query.new_empty((1, kv_heads, group, n, self.values.shape[-1]))
-        window_probs = None
-        if window:
-            window_probs = torch.zeros(kv_heads, group, length, dtype=torch.float32, device=query.device)
-        if self.lead_heads:
-            heads, at = self.lead_heads, heads_at(self.lead_heads, query.device)
-            lead_keys = self.lead_keys()
-            out, probs = dense_attention(grouped[:, at].flatten(1, 2), lead_keys, values[:, at], scaling, window)
-            output[:, at] = out.view(1, len(heads), group, n, -1)
-            if window_probs is not None and probs is not None:
-                window_probs[at] = probs
+        if not self.other_heads:  # every head leads: plain attention on kvcli's ordinary path
+            keys = self.lead_keys()
+            output, probs = dense_attention(query, keys, values, scaling, window)
             if plan.last_reader(layer) > layer:  # the higher layers of its blocks read them, rotated once here
-                owner.shared_queries[layer] = grouped[0]
-                owner.shared_keys[layer] = lead_keys[0]
-        if self.other_heads:
-            heads, at = self.other_heads, heads_at(self.other_heads, query.device)
-            pairs = [(h, plan.lead_of(h, layer)) for h in heads]
-            lead_query = torch.stack([owner.shared_queries[a][h] for h, a in pairs])
-            lead_keys = torch.stack([owner.shared_keys[a][owner.layers[a].lead_heads.index(h)] for h, a in pairs])
+                owner.share(layer, self.lead_heads, query.view(kv_heads, group, n, -1) * scaling, keys)
+        else:
+            # Lead heads join the shared heads' matmuls with their own queries and keys as the "lead's":
+            # Eq. 3-4 is then plain attention for them (App. C.1), and one attention serves the layer.
+            scaled = query.view(kv_heads, group, n, -1) * scaling
+            if self.lead_heads:
+                at = heads_at(self.lead_heads, query.device)
+                owner.share(layer, self.lead_heads, scaled[at], self.lead_keys())
+            heads = self.other_heads
+            rows = heads_at(heads, query.device) if self.lead_heads else None  # None: every head shares
             own_keys = self.near_keys if self._in_place() else self._rotated(self.near_keys, heads, self.near_slots())
-            out, probs, _ = shared_attention(grouped[0, at], lead_query, own_keys[0], None, lead_keys,
-                                             values[0, at], None, plan.sinks, plan.recent, scaling, plan.tau,
-                                             window, held=(self.near_sinks, self.near_recent))
-            output[0, at] = out.to(output.dtype)
-            if window_probs is not None and probs is not None:
-                window_probs[at] = probs
+            out, probs, _ = shared_attention(scaled if rows is None else scaled[rows], owner.lead_queries, own_keys,
+                                             None, owner.lead_keys, values, None, plan.sinks, plan.recent, 1.0,
+                                             plan.tau, window, held=(self.near_sinks, self.near_recent), rows=rows)
+            output = out.view(1, kv_heads * group, n, -1)
         self.free_distant_keys()
-        for lead in {plan.lead_of(h, layer) for h in range(kv_heads)}:
-            if plan.last_reader(lead) == layer:
-                owner.shared_queries.pop(lead, None)
-                owner.shared_keys.pop(lead, None)
-        return output.view(1, kv_heads * group, n, -1), window_probs
+        if layer == plan.num_layers - 1:  # the forward is over: its lead queries and keys go
+            owner.lead_queries = owner.lead_keys = None
+        return output, probs
 
     def free_distant_keys(self) -> None:
         """Cut the keys that no later query of this layer sees as proximal out of ``near_keys``."""
@@ -215,12 +235,18 @@ class PodLayer(CompressedLayer):
         sinks, recent = self.owner.plan.near_slots(length)
         if (sinks, recent) == (self.near_sinks, self.near_recent):
             return
-        stored = self.near_slots()
-        wanted = edge_slots(sinks, recent, length, self.device)
-        keep = torch.searchsorted(stored, wanted).clamp(max=max(stored.shape[0] - 1, 0))
-        if pod_attention.CHECKS and wanted.numel() and not torch.equal(stored[keep], wanted):
-            raise RuntimeError("PoD: a key still proximal was already freed (cache bookkeeping bug)")
-        self.near_keys = self.near_keys.index_select(2, keep).contiguous()
+        if not self.other_heads:  # every head leads: no proximal keys of its own to cut
+            self.near_sinks, self.near_recent = sinks, recent
+            return
+        # The held slots ascend and hold every wanted one, so the wanted first ``sinks`` slots are the first
+        # ``sinks`` held and the wanted last ``recent`` the last ``recent`` held: two slices, no search.
+        held = self.near_keys.shape[2]
+        if pod_attention.CHECKS:
+            stored, wanted = self.near_slots(), edge_slots(sinks, recent, length, self.device)
+            kept = torch.cat((stored[:sinks], stored[held - recent:]))
+            if not torch.equal(kept, wanted):
+                raise RuntimeError("PoD: a key still proximal was already freed (cache bookkeeping bug)")
+        self.near_keys = torch.cat((self.near_keys[:, :, :sinks], self.near_keys[:, :, held - recent:]), dim=2)
         self.near_sinks, self.near_recent = sinks, recent
 
     def keep(self, indices: torch.Tensor) -> None:
