@@ -79,13 +79,16 @@ class PodCache(KVCache):
         self.lead_keys: torch.Tensor | None = None
         super().__init__(num_layers, inv_freq)
 
-    def share(self, layer: int, heads: list[int], queries: torch.Tensor, keys: torch.Tensor) -> None:
-        """Hold the scaled ``queries`` ``[h, G, n, D]`` and ``keys`` ``[1, h, T, D]`` of the KV heads ``layer`` leads.
+    def share(self, heads: list[int], queries: torch.Tensor, keys: torch.Tensor) -> None:
+        """Hold the scaled ``queries`` ``[h, G, n, D]`` and ``keys`` ``[1, h, T, D]`` of the KV heads ``heads`` whose
+        lead is the layer calling.
 
-        Layer 0 leads every head, so it starts each forward's tensors; they are copies, since later leads
-        overwrite rows in place and a lead's stored keys must not change."""
+        The first lead of a forward starts its tensors (the last layer drops them, :meth:`PodLayer.attend`; a
+        forward cut short leaves ones of another shape, or rows every later lead overwrites before a reader
+        reads them). They are copies: later leads overwrite rows in place, and a lead's stored keys must not
+        change."""
         held = self.lead_queries
-        if layer == 0 or held is None or held.shape[2] != queries.shape[2] or self.lead_keys.shape[2] != keys.shape[2]:
+        if held is None or held.shape[2] != queries.shape[2] or self.lead_keys.shape[2] != keys.shape[2]:
             if len(heads) == self.plan.kv_heads:
                 self.lead_queries, self.lead_keys = queries.clone(), keys.clone()
                 return
@@ -209,14 +212,14 @@ class PodLayer(CompressedLayer):
             keys = self.lead_keys()
             output, probs = dense_attention(query, keys, values, scaling, window)
             if plan.last_reader(layer) > layer:  # the higher layers of its blocks read them, rotated once here
-                owner.share(layer, self.lead_heads, query.view(kv_heads, group, n, -1) * scaling, keys)
+                owner.share(self.lead_heads, query.view(kv_heads, group, n, -1) * scaling, keys)
         else:
             # Lead heads join the shared heads' matmuls with their own queries and keys as the "lead's":
             # Eq. 3-4 is then plain attention for them (App. C.1), and one attention serves the layer.
             scaled = query.view(kv_heads, group, n, -1) * scaling
             if self.lead_heads:
                 at = heads_at(self.lead_heads, query.device)
-                owner.share(layer, self.lead_heads, scaled[at], self.lead_keys())
+                owner.share(self.lead_heads, scaled[at], self.lead_keys())
             heads = self.other_heads
             rows = heads_at(heads, query.device) if self.lead_heads else None  # None: every head shares
             own_keys = self.near_keys if self._in_place() else self._rotated(self.near_keys, heads, self.near_slots())
