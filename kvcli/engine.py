@@ -179,8 +179,7 @@ class Engine:
         in stream order, the last row still the block's last token.
         """
         n = ids.shape[1]
-        compressing = compress and bool(self.budgets) and bool(self.architecture.budgeted)
-        compressing = compressing and not (decoding and self.method.keeps_answer)
+        compressing = compress and self.compresses() and not (decoding and self.method.keeps_answer)
         scores = self.method.score_window(n) if compressing else 0
         question = min(question, n) if scores and probe is None else 0  # with a probe, the probe is the question
         asks = scores > 0 and (probe is not None or question > 0)
@@ -204,6 +203,14 @@ class Engine:
             for layer in cache.layers:
                 layer.record = None
         return hidden[0]
+
+    def compresses(self) -> bool:
+        """Whether a forward compresses at all: the method has a budget and some layer is governed by it."""
+        return bool(self.budgets) and bool(self.architecture.budgeted)
+
+    def evicts_while_writing(self) -> bool:
+        """Whether a generated token's forward may evict (else the answer only ever adds to the cache)."""
+        return self.compresses() and not self.method.keeps_answer
 
     def nests_here(self) -> bool:
         """Whether a read may run nested on this model: the method nests and every layer is budgeted.

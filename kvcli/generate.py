@@ -14,7 +14,8 @@ The pipeline behind ``kvcli summarize`` and ``kvcli ask`` (and the pass-key grid
   layer below kept (a block with a probe is not nested: the probe scores after the whole block).
 * **write**: tokens are generated one at a time; each is run through :meth:`Engine.forward` alone,
   which compresses with one new token (the method's decoding rule), so the cache stays within the
-  per-layer budget at every step of generation too.
+  per-layer budget at every step of generation too. A method that evicts nothing while writing runs a
+  static step on CUDA instead, replayed as a graph (:mod:`kvcli.decode`).
 
 Nothing here knows about the CLI: text arrives as chunks of token ids, generated text leaves through
 a callback.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcli.decode import answer_steps
 from kvcli.engine import Engine, kv_bytes_per_token
 from kvcli.errors import KvcliError
 from kvcli.prompts import PromptParts
@@ -248,13 +250,13 @@ class Reader:
         return hidden
 
     def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,
-                 decoding: bool = False, last_only: bool = False, question: int = 0) -> torch.Tensor:
+                 last_only: bool = False, question: int = 0) -> torch.Tensor:
         """One engine forward; ``last_only``: only the last token's hidden state is used (a read), so a
         nesting method (PyramidInfer) may skip the hidden states of the tokens a layer drops; ``question``:
         the last tokens of ``ids`` that are the question (:meth:`Engine.forward`)."""
         if not ids:
             raise KvcliError("the prompt is empty")
-        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe, decoding=decoding,
+        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe,
                                      last_only=last_only, question=question)
         result.max_cache_tokens = max(result.max_cache_tokens, cache.max_tokens())
         return hidden
@@ -272,6 +274,7 @@ class Reader:
         stream = TextStream(self.tokenizer, self.stop)
         emit = on_text or (lambda text: None)
         result.finish_reason = "length"
+        steps = answer_steps(self.engine, cache, max(max_new_tokens - 1, 0))  # the last token needs no forward
         try:
             logits = self.engine.logits(hidden)[0]
             for step in range(max_new_tokens):
@@ -288,10 +291,12 @@ class Reader:
                     break
                 if step + 1 == max_new_tokens:
                     break
-                hidden = self._forward(cache, [token], None, result, decoding=True)
-                logits = self.engine.logits(hidden[-1:])[0]
+                logits = steps(token)
         except KeyboardInterrupt:
             result.finish_reason = "interrupted"
+        finally:
+            steps.finish()  # the cache holds the answer's tokens whatever ended the writing
+            result.max_cache_tokens = max(result.max_cache_tokens, steps.max_tokens)
         rest = stream.finish()
         if rest:
             emit(rest)

@@ -229,19 +229,25 @@ def time_steps(step: Callable[[int], int], token: int, steps: int, device: torch
 
 
 def time_decode_engine(model, method, ids: torch.Tensor, cache: int, block: int, steps: int) -> Timing:
-    """``steps`` greedy one-token steps of kvcli's engine after a read of ``cache + block`` tokens (the cache
-    full, compressed once), each step a compressed forward marked ``decoding`` as ``kvcli ask`` writes."""
+    """``steps`` greedy one-token steps of kvcli after a read of ``cache + block`` tokens (the cache full,
+    compressed once), each step the one ``kvcli ask`` writes with (:func:`kvcli.decode.answer_steps`: the
+    engine's compressed forward, or the static step, captured as a CUDA graph on a GPU)."""
+    from kvcli.decode import answer_steps
     from kvcli.engine import Engine
 
     engine = Engine(model, method, cache, block=block)
     kv = engine.new_cache()
     for start in range(0, cache + block, block):
         hidden = engine.forward(kv, ids[None, start:start + block], last_only=True)
+    answer = answer_steps(engine, kv, steps + 2)  # time_steps runs two untimed steps first
 
     def step(token: int) -> int:
-        return next_token(engine.logits(engine.forward(kv, torch.tensor([[token]]), decoding=True))[0])
+        return next_token(answer(token))
 
-    timing = time_steps(step, next_token(engine.logits(hidden[-1:])[0]), steps, next(model.parameters()).device)
+    try:
+        timing = time_steps(step, next_token(engine.logits(hidden[-1:])[0]), steps, next(model.parameters()).device)
+    finally:
+        answer.finish()
     timing.kv_cache_bytes = kv.nbytes()
     return timing
 

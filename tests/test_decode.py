@@ -1,0 +1,144 @@
+"""The static decode step (kvcli.decode) against the engine's own: the same tokens, the same cache after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.decode import EagerSteps, StaticSteps, answer_steps, masked_attention
+from kvcli.engine import Engine
+from kvcli.methods import make_method
+from kvcli.models import tiny_llama
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_layers=3, hidden=64, heads=4, kv_heads=2, vocab=128, seed=3)
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def read(model, name: str, one_shot: bool, kv_bits: int = 16):
+    """An engine and the cache of a read as ``kvcli ask`` does it (one shot, or streamed in blocks)."""
+    engine = Engine(model, make_method(name), 40, block=16, kv_bits=kv_bits)
+    cache = engine.new_cache()
+    ids = ids_of(90, 7)
+    if one_shot:
+        cache.keep_positions = engine.method.keeps_positions
+        hidden = engine.forward(cache, ids, last_only=True, question=6)
+    else:
+        for start in range(0, ids.shape[1], 16):
+            hidden = engine.forward(cache, ids[:, start:start + 16], last_only=True)
+    return engine, cache, int(engine.logits(hidden[-1:])[0].argmax())
+
+
+def write(steps, token: int, count: int) -> tuple[list[int], torch.Tensor]:
+    tokens, logits = [token], []
+    for _ in range(count):
+        out = steps(tokens[-1])
+        logits.append(out.clone())
+        tokens.append(int(out.argmax()))
+    steps.finish()
+    return tokens, torch.stack(logits)
+
+
+def current(cache) -> list[tuple]:
+    """What every layer holds, as attention would see it at the next position."""
+    start = cache.next_position()
+    return [(layer.current_keys(start), layer.values, layer.current_positions(start), layer.token_idx)
+            for layer in cache.layers]
+
+
+@pytest.mark.parametrize(("name", "one_shot"), [("snapkv", False), ("snapkv", True), ("pyramidkv", False),
+                                                ("pyramidkv", True), ("full", False)])
+def test_static_steps_write_what_the_engine_writes(model, name, one_shot):
+    engine, cache, token = read(model, name, one_shot)
+    eager_tokens, eager_logits = write(EagerSteps(engine, cache), token, STEPS)
+    eager_cache = current(cache)
+    engine, cache, token = read(model, name, one_shot)
+    steps = answer_steps(engine, cache, STEPS)
+    assert isinstance(steps, StaticSteps)
+    static_tokens, static_logits = write(steps, token, STEPS)
+    assert static_tokens == eager_tokens
+    torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
+    # The cache after the answer: the same tokens at the same positions, keys as attention reads them.
+    for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(eager_cache, current(cache), strict=True):
+        assert torch.equal(t0, t1) and torch.equal(p0, p1)
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    assert steps.max_tokens == max(cache.lengths())
+
+
+def test_static_steps_continue_where_the_reading_can_go_on(model):
+    """After the static steps hand the cache back, another read or answer runs on it as after eager steps."""
+    outs = []
+    for static in (False, True):
+        engine, cache, token = read(model, "snapkv", one_shot=False)
+        write(answer_steps(engine, cache, 5, static=static), token, 5)
+        hidden = engine.forward(cache, ids_of(16, 9), last_only=True)
+        outs.append((engine.logits(hidden[-1:])[0], cache.lengths(), cache.stream_start))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
+    assert outs[1][1:] == outs[0][1:]
+
+
+def test_an_interrupted_answer_leaves_the_cache_whole(model):
+    engine, cache, token = read(model, "pyramidkv", one_shot=False)
+    lengths = cache.lengths()
+    steps = answer_steps(engine, cache, 8)
+    steps(token)
+    steps(token)
+    steps.finish()  # what Reader.write does in its finally, Ctrl-C included
+    assert cache.lengths() == [length + 2 for length in lengths]
+    with pytest.raises(RuntimeError):
+        fresh = answer_steps(engine, cache, 1)
+        fresh(token)
+        fresh(token)  # no room left for a second token
+    fresh.finish()
+
+
+@pytest.mark.parametrize(("name", "kv_bits"), [("streamingllm", 16), ("treekv", 16), ("h2o", 16), ("snapkv", 8)])
+def test_the_engines_steps_where_the_static_ones_cannot_stand_in(model, name, kv_bits):
+    """A method that evicts while writing, or a quantized cache, keeps the engine's own steps."""
+    engine, cache, _ = read(model, name, one_shot=False, kv_bits=kv_bits)
+    assert isinstance(answer_steps(engine, cache, STEPS), EagerSteps)
+
+
+def test_the_engines_steps_when_the_answer_would_pass_the_trained_context(model):
+    engine, cache, _ = read(model, "full", one_shot=False)
+    room = engine.trained_context - cache.next_position() + 1
+    assert isinstance(answer_steps(engine, cache, room), EagerSteps)
+    assert isinstance(answer_steps(engine, cache, room - 1), StaticSteps)
+
+
+def test_masked_attention_ignores_the_hidden_slots():
+    """Keys past the filled slots (garbage included) change nothing: the same output as attention to the filled ones."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 1, 8, generator=generator)
+    key = torch.randn(1, 2, 10, 8, generator=generator)
+    value = torch.randn(1, 2, 10, 8, generator=generator)
+    visible = torch.arange(10) < 6
+    out = masked_attention(query, key, value, 0.35, visible)
+    padded_key, padded_value = key.clone(), value.clone()
+    padded_key[:, :, 6:] = 1e4
+    padded_value[:, :, 6:] = 1e4
+    torch.testing.assert_close(masked_attention(query, padded_key, padded_value, 0.35, visible), out)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key[:, :, :6], value[:, :, :6], scale=0.35, enable_gqa=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "full"])
+def test_the_captured_step_writes_what_the_uncaptured_one_writes(name):
+    model = tiny_llama(num_layers=3, hidden=64, heads=4, kv_heads=2, vocab=128, seed=3).cuda()
+    results = []
+    for graph in (False, True):
+        engine, cache, token = read(model, name, one_shot=False)
+        steps = StaticSteps(engine, cache, STEPS, graph=graph)
+        results.append(write(steps, token, STEPS))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[1][1], results[0][1])
