@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from kvcli.documents import open_source
 from kvcli.engine import Engine
 from kvcli.generate import Generation, Reader
@@ -53,7 +55,7 @@ def main() -> None:
             result, cache = Generation(), run.engine.new_cache()
             hidden = run.read(cache, parts, [stack.doc], result, one_shot=False, limit=0, probe=True)
             for token in forced:
-                hidden = run._forward(cache, [token], None, result, decoding=True)[-1:]
+                hidden = run.engine.forward(cache, torch.tensor([[token]]), decoding=True)[-1:]
             run.write(cache, hidden, result, 10)
             print(method, stack.key, repr(result.text), is_correct(result.text.strip(), stack.key), flush=True)
         return
