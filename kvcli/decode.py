@@ -16,8 +16,14 @@ token: one launch and one host read (the token) a step. When the answer is done,
 their buffers back (:meth:`StaticSteps.finish`), so the cache holds what the eager steps would have
 left: the read and the answer.
 
-Where the static step cannot stand in (a method that evicts while writing, a quantized cache, a
-layer with its own layout or an attention window, positions that would pass the trained context),
+StreamingLLM evicts while writing, but always the oldest token after its sinks: its window is a ring
+(:class:`RingLayer`). The new token overwrites the slot of the token the step before evicted, and instead
+of re-rotating every window key each step, positions run on from the read (the query at ``start + t``)
+while the sinks are scored with the query turned back by ``t``: every distance is the one the eager
+step's re-assigned positions give.
+
+Where neither static step can stand in (a method that evicts by scores while writing, a quantized cache,
+a layer with its own layout or an attention window, positions that would pass the trained context),
 :func:`answer_steps` returns the eager one.
 """
 
@@ -27,8 +33,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcli.cache import CompressedLayer, KVCache
+from kvcli.rope import rotate_keys
 
-__all__ = ["AnswerLayer", "EagerSteps", "StaticSteps", "answer_steps", "static_steps_apply"]
+__all__ = ["AnswerLayer", "EagerSteps", "RingLayer", "StaticSteps", "answer_steps", "ring_steps_apply",
+           "static_steps_apply"]
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -39,20 +47,27 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     The softmax runs in fp32; hidden keys get probability 0, so the buffer's unfilled slots (zeros)
     add nothing to the output.
     """
+    logits = grouped_logits(query, key, scaling)
+    logits.masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs, value).view(query.shape[:3] + value.shape[-1:])
+
+
+def grouped_logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Scaled logits of ``query`` ``[1, H_q, n, D]`` against ``key`` ``[1, H_kv, T, D]``: ``[1, H_kv, group * n, T]``,
+    each KV head's query heads side by side (GQA without repeating keys)."""
     _, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     grouped = (query * scaling).reshape(1, kv_heads, (q_heads // kv_heads) * q_len, dim)
-    logits = torch.matmul(grouped, key.transpose(2, 3))
-    logits.masked_fill_(~visible, float("-inf"))
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, value).view(1, q_heads, q_len, value.shape[-1])
+    return torch.matmul(grouped, key.transpose(2, 3))
 
 
 class AnswerLayer(CacheLayerMixin):
-    """One layer's keys and values in a fixed buffer with ``room`` free slots after the ``length`` filled ones.
+    """One layer's keys and values in a fixed buffer with ``room`` free slots after the ``length`` filled ones
+    (a method that keeps the answer).
 
     ``slot`` (a one-element device tensor) is where the next token goes; it moves on the device
-    (:meth:`StaticSteps.step`), so a captured graph writes each replay's token one slot further.
+    (:meth:`advance`), so a captured graph writes each replay's token one slot further.
     """
 
     is_sliding = False
@@ -60,19 +75,27 @@ class AnswerLayer(CacheLayerMixin):
     is_croppable = False
     window = None  # kvcli_attention checks the layer's window against the model's
 
-    def __init__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, room: int):
+    def __init__(self, layer: CompressedLayer, start: int, room: int):
         super().__init__()
-        self.layer_idx = layer_idx
-        _, heads, length, _ = keys.shape
-        self.length = length
-        self.keys = keys.new_zeros((1, heads, length + room, keys.shape[-1]))
-        self.values = values.new_zeros((1, heads, length + room, values.shape[-1]))
-        self.keys[:, :, :length] = keys
-        self.values[:, :, :length] = values
-        self.slot = torch.tensor([length], device=keys.device)
-        self.slots = torch.arange(length + room, device=keys.device)
+        self.layer_idx = layer.layer_idx
+        keys = layer.current_keys(start)
+        self.length = keys.shape[-2]
+        self.keys = self.buffer(keys, room)
+        self.values = self.buffer(layer.values, room)
+        self.slot = torch.tensor([self.length], device=keys.device)
+        self.slots = torch.arange(self.length + room, device=keys.device)
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
+        if layer.needs_rotation(start):  # the buffer holds the keys rotated to where they are now
+            layer.entry_pos = layer.current_positions(start).expand_as(layer.entry_pos)
+        layer.keys = layer.values = None  # moved, not copied: memory stays at one cache
+
+    @staticmethod
+    def buffer(tokens: torch.Tensor, room: int) -> torch.Tensor:
+        """``tokens`` ``[1, H, T, D]`` at the start of a zeroed buffer with ``room`` more slots."""
+        out = tokens.new_zeros(tokens.shape[:2] + (tokens.shape[2] + room,) + tokens.shape[3:])
+        out[:, :, :tokens.shape[2]] = tokens
+        return out
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("an answer layer is built full")
@@ -85,7 +108,20 @@ class AnswerLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int) -> tuple[torch.Tensor, None]:
         """The step's attention, to the filled slots and the token just written (no scores: nothing is evicted)."""
-        return masked_attention(query, key, value, scaling, self.slots <= self.slot), None
+        return masked_attention(query, self.keys, self.values, scaling, self.slots <= self.slot), None
+
+    def advance(self) -> None:
+        """After a step (on the device): the next token goes one slot further."""
+        self.slot.add_(1)
+
+    def give_back(self, layer: CompressedLayer, steps: int, start: int, stream_start: int) -> None:
+        """``layer`` holds what it held and the ``steps`` tokens written, entered at ``start ...``."""
+        filled = self.length + steps
+        layer.keys = self.keys[:, :, :filled]
+        layer.values = self.values[:, :, :filled]
+        offsets = torch.arange(steps, device=self.device).expand(layer.entry_pos.shape[0], steps)
+        layer.entry_pos = torch.cat((layer.entry_pos, start + offsets), dim=-1)
+        layer.token_idx = torch.cat((layer.token_idx, stream_start + offsets), dim=-1)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -95,6 +131,72 @@ class AnswerLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.keys.shape[-2]
+
+
+class RingLayer(AnswerLayer):
+    """StreamingLLM's layer while writing: ``sinks`` fixed tokens and a ring of ``window + 1`` slots, the
+    next token written over the oldest (which the eager step evicted after the step before).
+
+    The sinks sit at positions ``0 ... sinks - 1`` and the step's query at ``start`` in the eager step's
+    re-assigned positions; here the query runs on at ``start + t`` (the window keys keep the positions
+    they were rotated at), so the sinks are scored with the query turned back by ``t``.
+    """
+
+    def __init__(self, layer: CompressedLayer, start: int, stream_start: int, sinks: int, inv_freq: torch.Tensor,
+                 position: torch.Tensor):
+        CacheLayerMixin.__init__(self)
+        self.layer_idx = layer.layer_idx
+        keys = layer.current_keys(start)
+        self.length = keys.shape[-2]
+        self.sinks = sinks
+        self.sink_keys, self.sink_values = keys[:, :, :sinks], layer.values[:, :, :sinks]
+        self.keys = self.buffer(keys[:, :, sinks:], 1)
+        self.values = self.buffer(layer.values[:, :, sinks:], 1)
+        self.ring = self.keys.shape[2]  # window + 1 slots
+        self.slot = torch.tensor([self.ring - 1], device=keys.device)
+        self.dtype, self.device = keys.dtype, keys.device
+        self.inv_freq = inv_freq
+        self.start = start
+        self.position = position  # the step's position [1, 1], shared with the steps
+        self.first_token = stream_start - start  # a step's token index is its position plus this
+        self.entry = torch.cat((torch.arange(start - self.length + sinks, start, device=keys.device),
+                                torch.zeros(1, dtype=torch.long, device=keys.device)))  # each slot's position
+        self.tokens = torch.cat((layer.token_idx[0, sinks:], layer.token_idx.new_zeros(1)))  # each slot's token
+        self.is_initialized = True
+        layer.keys = layer.values = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.entry.index_copy_(0, self.slot, self.position[0])
+        self.tokens.index_copy_(0, self.slot, self.position[0] + self.first_token)
+        return super().update(key_states, value_states)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+               window: int) -> tuple[torch.Tensor, None]:
+        """Attention to the sinks (the query turned back to ``start``) and to every slot of the ring."""
+        back = (self.start - self.position).expand(query.shape[1], 1)
+        logits = torch.cat((grouped_logits(rotate_keys(query, back, self.inv_freq), self.sink_keys, scaling),
+                            grouped_logits(query, self.keys, scaling)), dim=-1)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
+        out = (torch.matmul(probs[..., :self.sinks], self.sink_values)
+               + torch.matmul(probs[..., self.sinks:], self.values))
+        return out.view(query.shape[:3] + value.shape[-1:]), None
+
+    def advance(self) -> None:
+        self.slot.add_(1).remainder_(self.ring)
+
+    def give_back(self, layer: CompressedLayer, steps: int, start: int, stream_start: int) -> None:
+        """``layer`` holds the sinks and the window the eager steps would have left, oldest first, each key
+        entered at the position it was rotated at."""
+        newest = (self.ring - 2 + steps) % self.ring  # the last slot written (none yet: the window's last)
+        order = (newest + 1 + torch.arange(self.ring, device=self.device)) % self.ring
+        order = order[1:]  # the oldest slot: evicted by the eager step after the last token (or still empty)
+        heads = self.keys.shape[1]
+        layer.keys = torch.cat((self.sink_keys, self.keys[:, :, order]), dim=2)
+        layer.values = torch.cat((self.sink_values, self.values[:, :, order]), dim=2)
+        sinks = torch.arange(self.sinks, device=self.device)
+        layer.entry_pos = torch.cat((sinks, self.entry[order])).expand(heads, -1)
+        layer.token_idx = torch.cat((layer.token_idx[0, :self.sinks], self.tokens[order])).expand(heads, -1)
+        layer.moved = True
 
 
 class AnswerCache(Cache):
@@ -108,9 +210,9 @@ class AnswerCache(Cache):
         self.probing = False
 
 
-def static_steps_apply(engine, cache: KVCache, room: int) -> bool:
-    """Whether :class:`StaticSteps` can write ``room`` tokens after what ``engine`` read into ``cache``."""
-    if engine.evicts_while_writing() or cache.kv_quant is not None:
+def _plain_and_in_range(engine, cache: KVCache, room: int) -> bool:
+    """What both static steps need: plain, unquantized layers, and positions that stay within the model's."""
+    if cache.kv_quant is not None:
         return False
     if not all(type(layer) is CompressedLayer and layer.is_initialized and isinstance(layer.keys, torch.Tensor)
                for layer in cache.layers):
@@ -118,6 +220,23 @@ def static_steps_apply(engine, cache: KVCache, room: int) -> bool:
     end = cache.next_position() + room
     limits = [limit for limit in (engine.architecture.rope_limit, engine.trained_context) if limit]
     return all(end <= limit for limit in limits)  # past them the eager steps refuse or warn, at the step that does
+
+
+def static_steps_apply(engine, cache: KVCache, room: int) -> bool:
+    """Whether :class:`AnswerLayer` steps can write ``room`` tokens after what ``engine`` read into ``cache``."""
+    return not engine.evicts_while_writing() and _plain_and_in_range(engine, cache, room)
+
+
+def ring_steps_apply(engine, cache: KVCache, room: int) -> bool:
+    """Whether :class:`RingLayer` steps can: a method that evicts the oldest token after its sinks while writing,
+    every layer full at its budget (so that each step evicts exactly one), positions compacted."""
+    method = engine.method
+    if not (method.evicts_oldest_while_writing and engine.compresses() and _plain_and_in_range(engine, cache, room)):
+        return False
+    if cache.keep_positions or cache.heads_apart or len(engine.architecture.budgeted) != engine.num_layers:
+        return False
+    return (cache.lengths() == engine.budgets and all(budget > method.sinks for budget in engine.budgets)
+            and cache.next_position() == engine.budgets[0])
 
 
 class EagerSteps:
@@ -140,24 +259,24 @@ class EagerSteps:
 
 class StaticSteps:
     """Up to ``room`` decode steps on fixed buffers that take over ``cache``'s layers (see the module's text);
-    :meth:`finish` gives them back. ``graph`` None captures on CUDA and runs eagerly elsewhere."""
+    :meth:`finish` gives them back. ``ring``: StreamingLLM's ring of :class:`RingLayer` (``sinks`` kept), else
+    :class:`AnswerLayer`. ``graph`` None captures on CUDA and runs eagerly elsewhere."""
 
-    def __init__(self, engine, cache: KVCache, room: int, graph: bool | None = None):
+    def __init__(self, engine, cache: KVCache, room: int, graph: bool | None = None, ring: bool = False):
         self.engine = engine
         self.cache = cache
         self.room = room
+        self.ring = ring
         self.start = cache.next_position()
         self.steps = 0
         with torch.inference_mode():
-            layers = []
-            for layer in cache.layers:
-                layers.append(AnswerLayer(layer.layer_idx, layer.current_keys(self.start), layer.values, room))
-                if layer.needs_rotation(self.start):  # the buffer holds the keys rotated to where they are now
-                    layer.entry_pos = layer.current_positions(self.start).expand_as(layer.entry_pos)
-                layer.keys = layer.values = None  # moved, not copied: memory stays at one cache
-            self.answer = AnswerCache(layers)
             self.ids = torch.zeros((1, 1), dtype=torch.long, device=engine.device)
             self.position = torch.tensor([[self.start]], device=engine.device)
+            sinks = engine.method.sinks if ring else 0
+            self.answer = AnswerCache([
+                RingLayer(layer, self.start, cache.stream_start, sinks, cache.inv_freqs[layer.layer_idx], self.position)
+                if ring
+                else AnswerLayer(layer, self.start, room) for layer in cache.layers])
         self.use_graph = engine.device.type == "cuda" if graph is None else graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -170,7 +289,7 @@ class StaticSteps:
                                 use_cache=True, kvcli_cache=self.answer).last_hidden_state
         logits = engine.head(hidden[0, -1:])[0]
         for layer in self.answer.layers:
-            layer.slot.add_(1)
+            layer.advance()
         self.position.add_(1)
         return logits
 
@@ -209,18 +328,13 @@ class StaticSteps:
     @torch.inference_mode()
     def finish(self) -> None:
         """Hand the buffers back to the cache's layers with the tokens written, as the eager steps would have
-        appended them (entered at their positions, the stream moved on); the graph and its memory go."""
+        left them (entered at their positions, the stream moved on); the graph and its memory go."""
         steps = self.steps
         for layer, answer in zip(self.cache.layers, self.answer.layers, strict=True):
-            filled = answer.length + steps
-            layer.keys = answer.keys[:, :, :filled]
-            layer.values = answer.values[:, :, :filled]
-            heads = layer.entry_pos.shape[0]
-            offsets = torch.arange(steps, device=layer.entry_pos.device).expand(heads, steps)
-            layer.entry_pos = torch.cat((layer.entry_pos, self.start + offsets), dim=-1)
-            layer.token_idx = torch.cat((layer.token_idx, self.cache.stream_start + offsets), dim=-1)
+            answer.give_back(layer, steps, self.start, self.cache.stream_start)
         self.cache.stream_start += steps
-        self.cache.block_start = self.start + steps - 1 if steps else self.cache.block_start
+        if steps:  # the last step's position in the eager steps: a ring's query stays at the start
+            self.cache.block_start = self.start if self.ring else self.start + steps - 1
         self.graph = self.logits = None
         self.answer = None
         self.steps = 0
@@ -232,8 +346,12 @@ class StaticSteps:
 
 def answer_steps(engine, cache: KVCache, room: int, static: bool = True) -> EagerSteps | StaticSteps:
     """The decode steps for writing up to ``room`` tokens after a read into ``cache``: static where
-    :func:`static_steps_apply` (on every device: a CPU gains too, no cache is concatenated per token), else
-    the engine's own; ``static`` False forces the engine's (the reference the static steps are tested against)."""
-    if static and room > 0 and static_steps_apply(engine, cache, room):
-        return StaticSteps(engine, cache, room)
+    :func:`static_steps_apply` or :func:`ring_steps_apply` (on every device: a CPU gains too, no cache is
+    concatenated per token), else the engine's own; ``static`` False forces the engine's (the reference
+    the static steps are tested against)."""
+    if static and room > 0:
+        if static_steps_apply(engine, cache, room):
+            return StaticSteps(engine, cache, room)
+        if ring_steps_apply(engine, cache, room):
+            return StaticSteps(engine, cache, room, ring=True)
     return EagerSteps(engine, cache)

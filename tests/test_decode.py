@@ -22,9 +22,9 @@ def ids_of(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def read(model, name: str, one_shot: bool, kv_bits: int = 16):
+def read(model, name: str, one_shot: bool, kv_bits: int = 16, budget: int = 40):
     """An engine and the cache of a read as ``kvcli ask`` does it (one shot, or streamed in blocks)."""
-    engine = Engine(model, make_method(name), 40, block=16, kv_bits=kv_bits)
+    engine = Engine(model, make_method(name), budget, block=16, kv_bits=kv_bits)
     cache = engine.new_cache()
     ids = ids_of(90, 7)
     if one_shot:
@@ -53,19 +53,24 @@ def current(cache) -> list[tuple]:
             for layer in cache.layers]
 
 
-@pytest.mark.parametrize(("name", "one_shot"), [("snapkv", False), ("snapkv", True), ("pyramidkv", False),
-                                                ("pyramidkv", True), ("full", False)])
-def test_static_steps_write_what_the_engine_writes(model, name, one_shot):
-    engine, cache, token = read(model, name, one_shot)
-    eager_tokens, eager_logits = write(EagerSteps(engine, cache), token, STEPS)
+@pytest.mark.parametrize(("name", "one_shot", "budget", "count"), [
+    ("snapkv", False, 40, STEPS), ("snapkv", True, 40, STEPS), ("pyramidkv", False, 40, STEPS),
+    ("pyramidkv", True, 40, STEPS), ("full", False, 40, STEPS),
+    ("streamingllm", False, 40, STEPS), ("streamingllm", True, 40, STEPS),
+    ("streamingllm", False, 12, 20),  # a ring of 9 slots (4 sinks): the window wraps twice
+])
+def test_static_steps_write_what_the_engine_writes(model, name, one_shot, budget, count):
+    engine, cache, token = read(model, name, one_shot, budget=budget)
+    eager_tokens, eager_logits = write(EagerSteps(engine, cache), token, count)
     eager_cache = current(cache)
-    engine, cache, token = read(model, name, one_shot)
-    steps = answer_steps(engine, cache, STEPS)
-    assert isinstance(steps, StaticSteps)
-    static_tokens, static_logits = write(steps, token, STEPS)
+    engine, cache, token = read(model, name, one_shot, budget=budget)
+    steps = answer_steps(engine, cache, count)
+    assert isinstance(steps, StaticSteps) and steps.ring == (name == "streamingllm")
+    static_tokens, static_logits = write(steps, token, count)
     assert static_tokens == eager_tokens
     torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
     # The cache after the answer: the same tokens at the same positions, keys as attention reads them.
+    assert cache.lengths() == [len(layer[3][0]) for layer in eager_cache]
     for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(eager_cache, current(cache), strict=True):
         assert torch.equal(t0, t1) and torch.equal(p0, p1)
         torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
@@ -100,9 +105,10 @@ def test_an_interrupted_answer_leaves_the_cache_whole(model):
     fresh.finish()
 
 
-@pytest.mark.parametrize(("name", "kv_bits"), [("streamingllm", 16), ("treekv", 16), ("h2o", 16), ("snapkv", 8)])
+@pytest.mark.parametrize(("name", "kv_bits"), [("treekv", 16), ("h2o", 16), ("tova", 16), ("snapkv", 8),
+                                             ("streamingllm", 8)])
 def test_the_engines_steps_where_the_static_ones_cannot_stand_in(model, name, kv_bits):
-    """A method that evicts while writing, or a quantized cache, keeps the engine's own steps."""
+    """A method that evicts by its scores while writing, or a quantized cache, keeps the engine's own steps."""
     engine, cache, _ = read(model, name, one_shot=False, kv_bits=kv_bits)
     assert isinstance(answer_steps(engine, cache, STEPS), EagerSteps)
 
@@ -132,13 +138,22 @@ def test_masked_attention_ignores_the_hidden_slots():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "full"])
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "full", "streamingllm"])
 def test_the_captured_step_writes_what_the_uncaptured_one_writes(name):
     model = tiny_llama(num_layers=3, hidden=64, heads=4, kv_heads=2, vocab=128, seed=3).cuda()
     results = []
     for graph in (False, True):
         engine, cache, token = read(model, name, one_shot=False)
-        steps = StaticSteps(engine, cache, STEPS, graph=graph)
+        steps = StaticSteps(engine, cache, STEPS, graph=graph, ring=name == "streamingllm")
         results.append(write(steps, token, STEPS))
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[1][1], results[0][1])
+
+
+def test_a_ring_only_when_every_layer_is_full(model):
+    """StreamingLLM's ring needs each step to evict exactly one token: a read shorter than the budget writes
+    with the engine's steps."""
+    engine = Engine(model, make_method("streamingllm"), 120, block=16)
+    cache = engine.new_cache()
+    engine.forward(cache, ids_of(90, 7), last_only=True)
+    assert isinstance(answer_steps(engine, cache, STEPS), EagerSteps)

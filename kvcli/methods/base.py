@@ -40,6 +40,9 @@ class Method:
     #: The method compresses what is read, not what is written: every generated token is kept, so the
     #: cache grows by at most ``--max-new-tokens`` while answering (SnapKV, PyramidKV: their papers).
     keeps_answer: ClassVar[bool] = False
+    #: While writing, each generated token evicts the oldest token after the first ``sinks`` (the method has
+    #: a ``sinks`` parameter): a window that :mod:`kvcli.decode` writes in a ring buffer (StreamingLLM).
+    evicts_oldest_while_writing: ClassVar[bool] = False
 
     def new_cache(self, model: torch.nn.Module) -> KVCache:
         """The cache this method streams into: kvcli's ordinary one unless the method stores keys its own way."""

@@ -19,6 +19,7 @@ class StreamingLLM(Method):
     name = "streamingllm"
     description = "Keep the first `sinks` tokens (attention sinks) and the most recent ones; no scores needed."
     sinks: int = param(4, "initial tokens always kept (attention sinks)")
+    evicts_oldest_while_writing = True
 
     def validate(self, budget: int) -> None:
         check_budget(budget, self.sinks + 1, "sinks + 1 recent token")
