@@ -114,6 +114,10 @@ class AnswerLayer(CacheLayerMixin):
         """After a step (on the device): the next token goes one slot further."""
         self.slot.add_(1)
 
+    def written(self) -> list[torch.Tensor]:
+        """What a step changes that a later step reads: the slot (a step writes only into free slots)."""
+        return [self.slot]
+
     def give_back(self, layer: CompressedLayer, steps: int, start: int, stream_start: int) -> None:
         """``layer`` holds what it held and the ``steps`` tokens written, entered at ``start ...``."""
         filled = self.length + steps
@@ -183,6 +187,10 @@ class RingLayer(AnswerLayer):
 
     def advance(self) -> None:
         self.slot.add_(1).remainder_(self.ring)
+
+    def written(self) -> list[torch.Tensor]:
+        """The slot and the whole ring: a step overwrites the slot of a token the next step still reads."""
+        return [self.slot, self.keys, self.values, self.entry, self.tokens]
 
     def give_back(self, layer: CompressedLayer, steps: int, start: int, stream_start: int) -> None:
         """``layer`` holds the sinks and the window the eager steps would have left, oldest first, each key
@@ -293,20 +301,25 @@ class StaticSteps:
         self.position.add_(1)
         return logits
 
+    def rehearse(self, steps: int) -> None:
+        """Run ``steps`` steps and undo everything they wrote (slots, position, and what a ring overwrote):
+        the warm-up before a capture (kernel choices, workspaces)."""
+        saved = [tensor.clone() for layer in self.answer.layers for tensor in layer.written()]
+        saved.append(self.position.clone())
+        for _ in range(steps):
+            self.step()
+        for tensor, copy in zip([t for layer in self.answer.layers for t in layer.written()] + [self.position], saved,
+                                strict=True):
+            tensor.copy_(copy)
+
     def capture(self) -> None:
-        """Warm the step up on a side stream (kernel choices, workspaces), undo the warm-up's moves, and
-        capture one step; a replay then runs it from the slots and position as they stand."""
-        slots = [layer.slot.clone() for layer in self.answer.layers]
-        position = self.position.clone()
+        """Rehearse the step on a side stream and capture one step; a replay then runs it from the slots and
+        position as they stand."""
         side = torch.cuda.Stream(self.engine.device)
         side.wait_stream(torch.cuda.current_stream(self.engine.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self.step()
+            self.rehearse(2)
         torch.cuda.current_stream(self.engine.device).wait_stream(side)
-        for layer, slot in zip(self.answer.layers, slots, strict=True):
-            layer.slot.copy_(slot)
-        self.position.copy_(position)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self.step()

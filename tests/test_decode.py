@@ -157,3 +157,19 @@ def test_a_ring_only_when_every_layer_is_full(model):
     cache = engine.new_cache()
     engine.forward(cache, ids_of(90, 7), last_only=True)
     assert isinstance(answer_steps(engine, cache, STEPS), EagerSteps)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streamingllm"])
+def test_a_rehearsal_leaves_nothing_behind(model, name):
+    """The warm-up before a CUDA graph's capture runs real steps: undone, they change no later step (a ring's
+    rehearsal overwrites slots the first real step still reads)."""
+    engine, cache, token = read(model, name, one_shot=False)
+    eager = write(EagerSteps(engine, cache), token, 4)
+    engine, cache, token = read(model, name, one_shot=False)
+    steps = StaticSteps(engine, cache, 4, graph=False, ring=name == "streamingllm")
+    with torch.inference_mode():
+        steps.ids.fill_(5)
+        steps.rehearse(2)
+    tokens, logits = write(steps, token, 4)
+    assert tokens == eager[0]
+    torch.testing.assert_close(logits, eager[1], rtol=1e-4, atol=1e-4)
