@@ -121,8 +121,10 @@ class AnswerLayer(CacheLayerMixin):
     def give_back(self, layer: CompressedLayer, steps: int, start: int, stream_start: int) -> None:
         """``layer`` holds what it held and the ``steps`` tokens written, entered at ``start ...``."""
         filled = self.length + steps
-        layer.keys = self.keys[:, :, :filled]
-        layer.values = self.values[:, :, :filled]
+        # A copy when room was left over: a view would hold the whole buffer while reporting the filled part.
+        cut = (lambda tensor: tensor[:, :, :filled].clone()) if filled < self.keys.shape[2] else (lambda tensor: tensor)
+        layer.keys = cut(self.keys)
+        layer.values = cut(self.values)
         offsets = torch.arange(steps, device=self.device).expand(layer.entry_pos.shape[0], steps)
         layer.entry_pos = torch.cat((layer.entry_pos, start + offsets), dim=-1)
         layer.token_idx = torch.cat((layer.token_idx, stream_start + offsets), dim=-1)
