@@ -35,8 +35,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcli.cache import CompressedLayer, KVCache
 from kvcli.rope import rotate_keys
 
-__all__ = ["AnswerLayer", "EagerSteps", "RingLayer", "StaticSteps", "answer_steps", "ring_steps_apply",
-           "static_steps_apply"]
+__all__ = ["AnswerLayer", "EagerSteps", "RingLayer", "StaticSteps", "answer_steps", "graph_capturable",
+           "ring_steps_apply", "static_steps_apply"]
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -249,6 +249,15 @@ def ring_steps_apply(engine, cache: KVCache, room: int) -> bool:
             and cache.next_position() == engine.budgets[0])
 
 
+def graph_capturable(model: torch.nn.Module) -> bool:
+    """Whether a decode step of ``model`` is worth capturing as a CUDA graph: on CUDA, with plain weights on
+    one device (quantized weights and accelerate's dispatch hooks may launch what a graph cannot hold; a
+    capture that fails anyway falls back to launching the step, :meth:`StaticSteps.__call__`)."""
+    device = next(model.parameters()).device
+    dispatched = len(set(getattr(model, "hf_device_map", {}).values())) > 1
+    return device.type == "cuda" and not getattr(model, "is_quantized", False) and not dispatched
+
+
 class EagerSteps:
     """The engine's own step: each token one :meth:`kvcli.engine.Engine.forward` marked ``decoding``."""
 
@@ -287,7 +296,7 @@ class StaticSteps:
                 RingLayer(layer, self.start, cache.stream_start, sinks, cache.inv_freqs[layer.layer_idx], self.position)
                 if ring
                 else AnswerLayer(layer, self.start, room) for layer in cache.layers])
-        self.use_graph = engine.device.type == "cuda" if graph is None else graph
+        self.use_graph = graph_capturable(engine.model) if graph is None else graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -336,7 +345,12 @@ class StaticSteps:
         if not self.use_graph:
             return self.step()
         if self.graph is None:
-            self.capture()
+            try:
+                self.capture()
+            except RuntimeError:  # a kernel or hook that cannot be captured: the same step, launched eagerly
+                self.graph = self.logits = None
+                self.use_graph = False
+                return self.step()
         self.graph.replay()
         return self.logits
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.decode import EagerSteps, StaticSteps, answer_steps, masked_attention
+from kvcli.decode import EagerSteps, StaticSteps, answer_steps, graph_capturable, masked_attention
 from kvcli.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models import tiny_llama
@@ -175,3 +175,24 @@ def test_a_rehearsal_leaves_nothing_behind(model, name):
     tokens, logits = write(steps, token, 4)
     assert tokens == eager[0]
     torch.testing.assert_close(logits, eager[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_capture_that_fails_launches_the_same_step(model, monkeypatch):
+    """Quantized weights or dispatch hooks may hold kernels a CUDA graph cannot capture: the step then runs
+    launched one kernel at a time, with the same answer."""
+    engine, cache, token = read(model, "snapkv", one_shot=False)
+    eager = write(EagerSteps(engine, cache), token, 4)
+    engine, cache, token = read(model, "snapkv", one_shot=False)
+    steps = StaticSteps(engine, cache, 4, graph=True)
+
+    def fail():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(steps, "capture", fail)
+    tokens, logits = write(steps, token, 4)
+    assert tokens == eager[0] and not steps.use_graph
+    torch.testing.assert_close(logits, eager[1], rtol=1e-4, atol=1e-4)
+
+
+def test_graphs_only_for_plain_weights_on_one_gpu(model):
+    assert not graph_capturable(model)  # a CPU
