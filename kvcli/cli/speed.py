@@ -45,8 +45,9 @@ def bench_speed(
                                                     "measured rate MFU is relative to (default 8192 on a GPU, "
                                                     "1024 on a CPU).")] = None,
     decode: Annotated[int, typer.Option("--decode", help="Also time this many greedy one-token steps against the "
-                                        "full cache (plain, then each method): the speed of writing an answer. "
-                                        "0: none.")] = 0,
+                                        "full cache (plain, then each method): the speed of writing an answer, with "
+                                        "the step `ask` writes with (static and, on a GPU, a CUDA graph for "
+                                        "streamingllm, snapkv and pyramidkv). 0: none.")] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights and tokens.")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
     quiet: QuietOpt = False,
