@@ -110,6 +110,15 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, win
     return total
 
 
+def grouped_logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Scaled logits of ``query`` ``[1, H_q, n, D]`` against ``key`` ``[1, H_kv, T, D]``: ``[1, H_kv, group * n, T]``,
+    one batched matmul per KV head with its query heads side by side (GQA without repeating keys)."""
+    _, q_heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = (query * scaling).reshape(1, kv_heads, (q_heads // kv_heads) * q_len, dim)
+    return torch.matmul(grouped, key.transpose(2, 3))
+
+
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                        window: int, *, sliding_window: int | None = None, softcap: float | None = None,
                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,12 +131,10 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     input dtype; the window's scores are a second, fp32 softmax of the same masked logits' last rows
     (:func:`window_probs`), never sums of the bf16 probabilities.
     """
-    _, q_heads, q_len, dim = query.shape
+    _, q_heads, q_len, _ = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
-    # [1, H_kv, group * n, D] against [1, H_kv, D, T]: one batched matmul per KV head, no batch index to drop.
-    grouped = (query * scaling).reshape(1, kv_heads, group * q_len, dim)
-    logits = soft_cap(torch.matmul(grouped, key.transpose(2, 3)), softcap).view(kv_heads, group, q_len, k_len)
+    logits = soft_cap(grouped_logits(query, key, scaling), softcap).view(kv_heads, group, q_len, k_len)
     if sliding_window is not None and k_len > 1:
         logits.masked_fill_(hidden_by_mask(q_len, k_len, query.device, sliding_window), float("-inf"))
     elif q_len > 1:  # only the new keys need the causal mask: every cached key is visible to every query

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvcli.attention import grouped_logits
 from kvcli.cache import CompressedLayer, KVCache
 from kvcli.rope import rotate_keys
 
@@ -51,15 +52,6 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     logits.masked_fill_(~visible, float("-inf"))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
     return torch.matmul(probs, value).view(query.shape[:3] + value.shape[-1:])
-
-
-def grouped_logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Scaled logits of ``query`` ``[1, H_q, n, D]`` against ``key`` ``[1, H_kv, T, D]``: ``[1, H_kv, group * n, T]``,
-    each KV head's query heads side by side (GQA without repeating keys)."""
-    _, q_heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = (query * scaling).reshape(1, kv_heads, (q_heads // kv_heads) * q_len, dim)
-    return torch.matmul(grouped, key.transpose(2, 3))
 
 
 class AnswerLayer(CacheLayerMixin):
