@@ -69,18 +69,26 @@ class AnswerLayer(CacheLayerMixin):
 
     def __init__(self, layer: CompressedLayer, start: int, room: int):
         super().__init__()
-        self.layer_idx = layer.layer_idx
-        keys = layer.current_keys(start)
-        self.length = keys.shape[-2]
+        # The buffer holds the keys rotated to where they are now: their entry positions become those.
+        moved_to = layer.current_positions(start) if layer.needs_rotation(start) else None
+        keys, values = self.take(layer, start)
+        if moved_to is not None:
+            layer.entry_pos = moved_to.expand_as(layer.entry_pos)
         self.keys = self.buffer(keys, room)
-        self.values = self.buffer(layer.values, room)
-        self.slot = torch.tensor([self.length], device=keys.device)
-        self.slots = torch.arange(self.length + room, device=keys.device)
+        self.values = self.buffer(values, room)
+        self.slot = torch.tensor([self.length], device=self.device)
+        self.slots = torch.arange(self.length + room, device=self.device)
+
+    def take(self, layer: CompressedLayer, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s keys (rotated to their positions before ``start``) and values, moved out of it (not
+        copied: memory stays at one cache), with what this layer records of them."""
+        keys, values = layer.current_keys(start), layer.values
+        layer.keys = layer.values = None
+        self.layer_idx = layer.layer_idx
+        self.length = keys.shape[-2]
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        if layer.needs_rotation(start):  # the buffer holds the keys rotated to where they are now
-            layer.entry_pos = layer.current_positions(start).expand_as(layer.entry_pos)
-        layer.keys = layer.values = None  # moved, not copied: memory stays at one cache
+        return keys, values
 
     @staticmethod
     def buffer(tokens: torch.Tensor, room: int) -> torch.Tensor:
@@ -143,25 +151,21 @@ class RingLayer(AnswerLayer):
     def __init__(self, layer: CompressedLayer, start: int, stream_start: int, sinks: int, inv_freq: torch.Tensor,
                  position: torch.Tensor):
         CacheLayerMixin.__init__(self)
-        self.layer_idx = layer.layer_idx
-        keys = layer.current_keys(start)
-        self.length = keys.shape[-2]
+        tokens = layer.token_idx[0, sinks:]
+        keys, values = self.take(layer, start)
         self.sinks = sinks
-        self.sink_keys, self.sink_values = keys[:, :, :sinks], layer.values[:, :, :sinks]
+        self.sink_keys, self.sink_values = keys[:, :, :sinks], values[:, :, :sinks]
         self.keys = self.buffer(keys[:, :, sinks:], 1)
-        self.values = self.buffer(layer.values[:, :, sinks:], 1)
-        self.ring = self.keys.shape[2]  # window + 1 slots
-        self.slot = torch.tensor([self.ring - 1], device=keys.device)
-        self.dtype, self.device = keys.dtype, keys.device
+        self.values = self.buffer(values[:, :, sinks:], 1)
+        self.size = self.keys.shape[2]  # window + 1 slots
+        self.slot = torch.tensor([self.size - 1], device=self.device)
         self.inv_freq = inv_freq
         self.start = start
         self.position = position  # the step's position [1, 1], shared with the steps
         self.first_token = stream_start - start  # a step's token index is its position plus this
-        self.entry = torch.cat((torch.arange(start - self.length + sinks, start, device=keys.device),
-                                torch.zeros(1, dtype=torch.long, device=keys.device)))  # each slot's position
-        self.tokens = torch.cat((layer.token_idx[0, sinks:], layer.token_idx.new_zeros(1)))  # each slot's token
-        self.is_initialized = True
-        layer.keys = layer.values = None
+        self.entry = torch.cat((torch.arange(start - self.length + sinks, start, device=self.device),
+                                torch.zeros(1, dtype=torch.long, device=self.device)))  # each slot's position
+        self.tokens = torch.cat((tokens, tokens.new_zeros(1)))  # each slot's token
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.entry.index_copy_(0, self.slot, self.position[0])
@@ -180,7 +184,7 @@ class RingLayer(AnswerLayer):
         return out.view(query.shape[:3] + value.shape[-1:]), None
 
     def advance(self) -> None:
-        self.slot.add_(1).remainder_(self.ring)
+        self.slot.add_(1).remainder_(self.size)
 
     def written(self) -> list[torch.Tensor]:
         """The slot and the whole ring: a step overwrites the slot of a token the next step still reads."""
@@ -189,8 +193,8 @@ class RingLayer(AnswerLayer):
     def give_back(self, layer: CompressedLayer, steps: int, start: int, stream_start: int) -> None:
         """``layer`` holds the sinks and the window the eager steps would have left, oldest first, each key
         entered at the position it was rotated at."""
-        newest = (self.ring - 2 + steps) % self.ring  # the last slot written (none yet: the window's last)
-        order = (newest + 1 + torch.arange(self.ring, device=self.device)) % self.ring
+        newest = (self.size - 2 + steps) % self.size  # the last slot written (none yet: the window's last)
+        order = (newest + 1 + torch.arange(self.size, device=self.device)) % self.size
         order = order[1:]  # the oldest slot: evicted by the eager step after the last token (or still empty)
         heads = self.keys.shape[1]
         layer.keys = torch.cat((self.sink_keys, self.keys[:, :, order]), dim=2)
@@ -233,9 +237,9 @@ def ring_steps_apply(engine, cache: KVCache, room: int) -> bool:
     """Whether :class:`RingLayer` steps can: a method that evicts the oldest token after its sinks while writing,
     every layer full at its budget (so that each step evicts exactly one), positions compacted."""
     method = engine.method
-    if not (method.evicts_oldest_while_writing and engine.compresses() and _plain_and_in_range(engine, cache, room)):
-        return False
-    if cache.keep_positions or cache.heads_apart or len(engine.architecture.budgeted) != engine.num_layers:
+    if not (method.evicts_oldest_while_writing and _plain_and_in_range(engine, cache, room)):
+        return False  # every layer plain: none has a window, so the budget governs them all
+    if cache.keep_positions or cache.heads_apart:
         return False
     return (cache.lengths() == engine.budgets and all(budget > method.sinks for budget in engine.budgets)
             and cache.next_position() == engine.budgets[0])
@@ -307,12 +311,11 @@ class StaticSteps:
     def rehearse(self, steps: int) -> None:
         """Run ``steps`` steps and undo everything they wrote (slots, position, and what a ring overwrote):
         the warm-up before a capture (kernel choices, workspaces)."""
-        saved = [tensor.clone() for layer in self.answer.layers for tensor in layer.written()]
-        saved.append(self.position.clone())
+        written = [tensor for layer in self.answer.layers for tensor in layer.written()] + [self.position]
+        saved = [tensor.clone() for tensor in written]
         for _ in range(steps):
             self.step()
-        for tensor, copy in zip([t for layer in self.answer.layers for t in layer.written()] + [self.position], saved,
-                                strict=True):
+        for tensor, copy in zip(written, saved, strict=True):
             tensor.copy_(copy)
 
     def capture(self) -> None:
