@@ -34,10 +34,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcli.attention import grouped_logits
 from kvcli.cache import CompressedLayer, KVCache
+from kvcli.joined import union_offsets
 from kvcli.rope import rotate_keys
 
-__all__ = ["AnswerLayer", "EagerSteps", "RingLayer", "StaticSteps", "answer_steps", "graph_capturable",
-           "ring_steps_apply", "static_steps_apply"]
+__all__ = ["AnswerCache", "AnswerLayer", "EagerSteps", "EvictingCache", "EvictingLayer", "RingCache", "RingLayer",
+           "StaticSteps", "answer_steps",
+           "evicting_steps_apply", "graph_capturable", "ring_steps_apply", "static_steps_apply"]
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -67,6 +69,11 @@ class AnswerLayer(CacheLayerMixin):
     is_croppable = False
     window = None  # kvcli_attention checks the layer's window against the model's
 
+    @classmethod
+    def of(cls, layer: CompressedLayer, steps: StaticSteps) -> AnswerLayer:
+        """The layer ``steps`` write through in place of ``layer``."""
+        return cls(layer, steps.start, steps.room)
+
     def __init__(self, layer: CompressedLayer, start: int, room: int):
         super().__init__()
         # The buffer holds the keys rotated to where they are now: their entry positions become those.
@@ -79,10 +86,11 @@ class AnswerLayer(CacheLayerMixin):
         self.slot = torch.tensor([self.length], device=self.device)
         self.slots = torch.arange(self.length + room, device=self.device)
 
-    def take(self, layer: CompressedLayer, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer``'s keys (rotated to their positions before ``start``) and values, moved out of it (not
-        copied: memory stays at one cache), with what this layer records of them."""
-        keys, values = layer.current_keys(start), layer.values
+    def take(self, layer: CompressedLayer, start: int, rotated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s keys (rotated to their positions before ``start``, or as stored: rotated where they
+        entered) and values, moved out of it (not copied: memory stays at one cache), with what this layer
+        records of them."""
+        keys, values = (layer.current_keys(start) if rotated else layer.keys), layer.values
         layer.keys = layer.values = None
         self.layer_idx = layer.layer_idx
         self.length = keys.shape[-2]
@@ -148,8 +156,11 @@ class RingLayer(AnswerLayer):
     they were rotated at), so the sinks are scored with the query turned back by ``t``.
     """
 
-    def __init__(self, layer: CompressedLayer, start: int, stream_start: int, sinks: int, inv_freq: torch.Tensor,
-                 position: torch.Tensor):
+    @classmethod
+    def of(cls, layer: CompressedLayer, steps: StaticSteps) -> RingLayer:
+        return cls(layer, steps.start, steps.engine.method.sinks, steps.position, steps.token)
+
+    def __init__(self, layer: CompressedLayer, start: int, sinks: int, position: torch.Tensor, token: torch.Tensor):
         CacheLayerMixin.__init__(self)
         tokens = layer.token_idx[0, sinks:]
         keys, values = self.take(layer, start)
@@ -159,17 +170,17 @@ class RingLayer(AnswerLayer):
         self.values = self.buffer(values[:, :, sinks:], 1)
         self.size = self.keys.shape[2]  # window + 1 slots
         self.slot = torch.tensor([self.size - 1], device=self.device)
-        self.inv_freq = inv_freq
+        self.inv_freq = layer.inv_freq
         self.start = start
         self.position = position  # the step's position [1, 1], shared with the steps
-        self.first_token = stream_start - start  # a step's token index is its position plus this
+        self.token = token  # the step's token index in the stream [1, 1], shared with the steps
         self.entry = torch.cat((torch.arange(start - self.length + sinks, start, device=self.device),
                                 torch.zeros(1, dtype=torch.long, device=self.device)))  # each slot's position
         self.tokens = torch.cat((tokens, tokens.new_zeros(1)))  # each slot's token
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.entry.index_copy_(0, self.slot, self.position[0])
-        self.tokens.index_copy_(0, self.slot, self.position[0] + self.first_token)
+        self.tokens.index_copy_(0, self.slot, self.token[0])
         return super().update(key_states, value_states)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -206,8 +217,18 @@ class RingLayer(AnswerLayer):
 
 
 class AnswerCache(Cache):
-    """The cache a static step runs against: the attributes :func:`kvcli.attention.kvcli_attention` reads,
-    none of which asks for scores."""
+    """The cache a static step runs against: its layers (:attr:`layer_type`, one per layer of the read's cache)
+    and the attributes :func:`kvcli.attention.kvcli_attention` reads, none of which asks for scores."""
+
+    layer_type: type[AnswerLayer] = AnswerLayer
+    #: The step's query moves on one position per token (else it stays at the read's next position, where
+    #: the eager steps place every token of an answer that evicts as it goes).
+    query_moves = True
+
+    @classmethod
+    def build(cls, steps: StaticSteps) -> AnswerCache:
+        """The cache ``steps`` write through, taking over the layers of ``steps.cache``."""
+        return cls([cls.layer_type.of(layer, steps) for layer in steps.cache.layers])
 
     def __init__(self, layers: list[AnswerLayer]):
         super().__init__(layers=layers)
@@ -215,34 +236,215 @@ class AnswerCache(Cache):
         self.question_scores = False
         self.probing = False
 
+    def advance(self) -> None:
+        """After a step (on the device): what the next step needs moved on."""
+        for layer in self.layers:
+            layer.advance()
 
-def _plain_and_in_range(engine, cache: KVCache, room: int) -> bool:
-    """What both static steps need: plain, unquantized layers, and positions that stay within the model's."""
+    def written(self) -> list[torch.Tensor]:
+        """What a step changes that a later step reads (undone after a rehearsal)."""
+        return [tensor for layer in self.layers for tensor in layer.written()]
+
+    def give_back(self, cache: KVCache, steps: int, start: int) -> None:
+        """``cache``'s layers hold what they held and the ``steps`` tokens written from position ``start``."""
+        for layer, answer in zip(cache.layers, self.layers, strict=True):
+            answer.give_back(layer, steps, start, cache.stream_start)
+
+
+class RingCache(AnswerCache):
+    """StreamingLLM's layers while writing (:class:`RingLayer`)."""
+
+    layer_type = RingLayer
+
+
+class EvictingLayer(AnswerLayer):
+    """One layer's part of :class:`EvictingCache`: the step writes its token into the last slot and attends to
+    every slot, the keys as the cache rotated them for this step; the cache evicts after the whole step."""
+
+    def __init__(self, stack: EvictingCache, index: int):
+        CacheLayerMixin.__init__(self)
+        self.layer_idx = index
+        self.keys, self.values = stack.keys[index], stack.values[index]  # [1, H, T + 1, D]
+        self.current = stack.current[index]
+        self.probs = stack.probs[index]  # [H, T + 1]
+        self.length = self.keys.shape[2] - 1
+        self.dtype, self.device = self.keys.dtype, self.keys.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new = self.length
+        self.keys[:, :, new:].copy_(key_states)
+        self.values[:, :, new:].copy_(value_states)
+        self.current[:, :, new:].copy_(key_states)  # at the step's position, where it was rotated
+        return self.current, self.values
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+               window: int) -> tuple[torch.Tensor, None]:
+        """Attention to every slot; the step's query's attention, averaged over each KV head's query heads, is
+        kept for the eviction."""
+        logits = grouped_logits(query, self.current, scaling)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        out = torch.matmul(probs.to(value.dtype), self.values).view(query.shape[:3] + value.shape[-1:])
+        torch.mean(probs.view(self.probs.shape[0], -1, self.length + 1), dim=1, out=self.probs)
+        return out, None
+
+
+class EvictingCache(AnswerCache):
+    """The layers of a method that evicts one token a step by its scores while writing (TreeKV), stacked: each
+    layer's ``budget`` tokens and one slot for the step's, in stream order as the engine's step leaves them.
+
+    After a step (:meth:`advance`), the method's :class:`kvcli.methods.base.StepEviction` picks the token each
+    KV head of each layer drops, the slots after it move one to the left, and the keys are rotated from their
+    entry copies to where they sit at the next step (a token leaving moves the ones after it), as the engine's
+    step rotates them: for every layer at once, a few dozen kernels a step rather than a few dozen a layer.
+    The query stays at the read's next position, as in the engine's steps.
+    """
+
+    layer_type = EvictingLayer
+    query_moves = False
+
+    @classmethod
+    def build(cls, steps: StaticSteps) -> EvictingCache:
+        return cls(steps.engine, steps.cache, steps.position, steps.token)
+
+    def __init__(self, engine, cache: KVCache, position: torch.Tensor, token: torch.Tensor):
+        layers = cache.layers
+        first = layers[0]
+        count, heads = first.get_seq_length(), first.values.shape[1]
+        slots, size = count + 1, len(layers)
+        self.eviction = engine.method.step_eviction(engine.budgets[first.layer_idx],
+                                                    [layer.method_state for layer in layers], heads, engine.device)
+        self.keys = first.keys.new_zeros((size, 1, heads, slots, first.keys.shape[-1]))
+        self.values = first.values.new_zeros((size, 1, heads, slots, first.values.shape[-1]))
+        self.entry = first.entry_pos.new_zeros((size, heads, slots))  # where each key was rotated
+        self.tokens = first.token_idx.new_zeros((size, heads, slots))
+        self.state = {name: first.state[name].new_zeros((size * heads, slots)) for name in self.eviction.names}
+        self.moved = [layer.moved for layer in layers]
+        for i, layer in enumerate(layers):  # moved in one layer at a time: memory stays near one cache
+            self.keys[i, :, :, :count] = layer.keys
+            self.values[i, :, :, :count] = layer.values
+            layer.keys = layer.values = None
+            self.entry[i, :, :count] = layer.entry_pos
+            self.tokens[i, :, :count] = layer.token_idx
+            for name, state in self.state.items():
+                state.view(size, heads, slots)[i, :, :count] = layer.state[name]
+        freqs = [layer.inv_freq for layer in layers]
+        same = all(freq is freqs[0] or torch.equal(freq, freqs[0]) for freq in freqs)
+        self.inv_freq = freqs[0] if same else torch.stack(freqs)[:, None, None, :]
+        self.heads_apart = cache.heads_apart
+        self.position = position  # the step's position [1, 1], fixed
+        self.token = token  # the step's token index in the stream [1, 1], shared with the steps
+        self.slots = torch.arange(slots, device=engine.device)
+        self.current = torch.empty_like(self.keys)  # the keys rotated to where they sit at the coming step
+        self.probs = torch.zeros((size, heads, slots), dtype=torch.float32, device=engine.device)
+        self.chunk = size if engine.device.type == "cuda" else 1
+        self.place()
+        super().__init__([EvictingLayer(self, i) for i in range(size)])
+
+    def place(self, first: int = 0, last: int | None = None) -> None:
+        """Rotate the cached keys of layers ``first ... last - 1`` to their positions at the coming step (the
+        last slot is the step's own)."""
+        layers = slice(first, last)
+        entry = self.entry[layers]
+        size, heads, slots = entry.shape
+        count = slots - 1
+        if self.heads_apart:  # the distinct tokens of a layer's heads in stream order, ending before the query
+            offsets = union_offsets(list(self.tokens[layers, :, :count].unbind(0)))  # [H, layers * T]
+            positions = self.position - offsets.view(heads, size, count).transpose(0, 1)
+        else:
+            positions = self.position - count + self.slots[:count]
+        inv_freq = self.inv_freq if self.inv_freq.dim() == 1 else self.inv_freq[layers]
+        rotated = rotate_keys(self.keys[layers, 0, :, :count], positions - entry[:, :, :count], inv_freq)
+        self.current[layers, 0, :, :count] = rotated
+
+    def advance(self) -> None:
+        """Enter the step's token, let the method evict one token per KV head of every layer, close the gaps,
+        and rotate the keys for the next step: a GPU runs it for all layers at once (few kernels), a CPU
+        ``chunk`` layers at a time (the tensors of a few layers stay in its caches)."""
+        size, heads, slots = self.entry.shape
+        count = slots - 1
+        self.entry[:, :, count:] = self.position
+        self.tokens[:, :, count:] = self.token
+        for state in self.state.values():
+            state[:, count:] = 0
+        gone = self.eviction.victim(self.probs.view(size * heads, slots), self.state)  # [rows, 1]
+        after = (self.slots[:count] >= gone).view(size, heads, count)  # the slots that take their right neighbour's
+        for first in range(0, size, self.chunk):
+            layers = slice(first, first + self.chunk)
+            for tensor in (self.keys[layers, 0], self.values[layers, 0]):
+                tensor[:, :, :count] = torch.where(after[layers, :, :, None], tensor[:, :, 1:], tensor[:, :, :count])
+            for rows in (self.entry[layers], self.tokens[layers],
+                         *(state.view(size, heads, slots)[layers] for state in self.state.values())):
+                rows[:, :, :count] = torch.where(after[layers], rows[:, :, 1:], rows[:, :, :count])
+            self.place(first, first + self.chunk)
+
+    def written(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, self.current, self.entry, self.tokens, *self.state.values(),
+                *self.eviction.written()]
+
+    def give_back(self, cache: KVCache, steps: int, start: int) -> None:
+        """``cache``'s layers hold the budget's tokens the steps left, in stream order, with the method's state."""
+        size, heads, slots = self.entry.shape
+        count = slots - 1
+        self.eviction.save([layer.method_state for layer in cache.layers])
+        for i, layer in enumerate(cache.layers):
+            layer.keys = self.keys[i, :, :, :count].clone()
+            layer.values = self.values[i, :, :, :count].clone()
+            layer.entry_pos = self.entry[i, :, :count].clone()
+            layer.token_idx = self.tokens[i, :, :count].clone()
+            layer.state = {name: state.view(size, heads, slots)[i, :, :count].clone()
+                           for name, state in self.state.items()}
+            layer.moved = self.moved[i] or steps > 0
+
+
+def _plain_and_in_range(engine, cache: KVCache, end: int) -> bool:
+    """What every static step needs: plain, unquantized layers, and positions up to ``end`` (excluded) within
+    the model's."""
     if cache.kv_quant is not None:
         return False
     if not all(type(layer) is CompressedLayer and layer.is_initialized and isinstance(layer.keys, torch.Tensor)
                for layer in cache.layers):
         return False  # a window layer drops tokens as it writes; a layer of its own layout attends its own way
-    end = cache.next_position() + room
     limits = [limit for limit in (engine.architecture.rope_limit, engine.trained_context) if limit]
     return all(end <= limit for limit in limits)  # past them the eager steps refuse or warn, at the step that does
 
 
 def static_steps_apply(engine, cache: KVCache, room: int) -> bool:
     """Whether :class:`AnswerLayer` steps can write ``room`` tokens after what ``engine`` read into ``cache``."""
-    return not engine.evicts_while_writing() and _plain_and_in_range(engine, cache, room)
+    return not engine.evicts_while_writing() and _plain_and_in_range(engine, cache, cache.next_position() + room)
 
 
 def ring_steps_apply(engine, cache: KVCache, room: int) -> bool:
     """Whether :class:`RingLayer` steps can: a method that evicts the oldest token after its sinks while writing,
     every layer full at its budget (so that each step evicts exactly one), positions compacted."""
     method = engine.method
-    if not (method.evicts_oldest_while_writing and _plain_and_in_range(engine, cache, room)):
+    if not (method.evicts_oldest_while_writing and _plain_and_in_range(engine, cache, cache.next_position() + room)):
         return False  # every layer plain: none has a window, so the budget governs them all
     if cache.keep_positions or cache.heads_apart:
         return False
     return (cache.lengths() == engine.budgets and all(budget > method.sinks for budget in engine.budgets)
             and cache.next_position() == engine.budgets[0])
+
+
+def evicting_steps_apply(engine, cache: KVCache) -> bool:
+    """Whether :class:`EvictingCache` steps can write (any number of tokens: the query never moves): a method
+    with a step eviction (:meth:`kvcli.methods.base.Method.step_eviction`), every layer alike and full at one
+    budget (so that each step evicts exactly one) with the state that eviction reads, positions re-assigned."""
+    if not (engine.evicts_while_writing() and not cache.keep_positions
+            and _plain_and_in_range(engine, cache, cache.next_position() + 1)):
+        return False
+    budget = engine.budgets[0]
+    if cache.lengths() != engine.budgets or any(other != budget for other in engine.budgets):
+        return False
+    layers = cache.layers
+    if len({(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in layers}) != 1:
+        return False
+    heads = layers[0].values.shape[1]
+    eviction = engine.method.step_eviction(budget, [layer.method_state for layer in layers], heads, engine.device)
+    if eviction is None:
+        return False
+    return all(set(layer.state) == set(eviction.names)
+               and all(layer.state[name].shape == (heads, budget) for name in eviction.names) for layer in layers)
 
 
 def graph_capturable(model: torch.nn.Module) -> bool:
@@ -274,44 +476,44 @@ class EagerSteps:
 
 class StaticSteps:
     """Up to ``room`` decode steps on fixed buffers that take over ``cache``'s layers (see the module's text);
-    :meth:`finish` gives them back. ``ring``: StreamingLLM's ring of :class:`RingLayer` (``sinks`` kept), else
-    :class:`AnswerLayer`. ``graph`` None captures on CUDA and runs eagerly elsewhere."""
+    :meth:`finish` gives them back. ``layout`` is the kind of cache they write through: :class:`AnswerCache`
+    (nothing evicted while writing), :class:`RingCache` (StreamingLLM) or :class:`EvictingCache` (a method's
+    step eviction). ``graph`` None captures on CUDA and runs eagerly elsewhere."""
 
-    def __init__(self, engine, cache: KVCache, room: int, graph: bool | None = None, ring: bool = False):
+    def __init__(self, engine, cache: KVCache, room: int, graph: bool | None = None,
+                 layout: type[AnswerCache] = AnswerCache):
         self.engine = engine
         self.cache = cache
         self.room = room
-        self.ring = ring
+        self.layout = layout
         self.start = cache.next_position()
         self.steps = 0
         with torch.inference_mode():
             self.ids = torch.zeros((1, 1), dtype=torch.long, device=engine.device)
             self.position = torch.tensor([[self.start]], device=engine.device)
-            sinks = engine.method.sinks if ring else 0
-            self.answer = AnswerCache([
-                RingLayer(layer, self.start, cache.stream_start, sinks, cache.inv_freqs[layer.layer_idx], self.position)
-                if ring
-                else AnswerLayer(layer, self.start, room) for layer in cache.layers])
+            self.token = torch.tensor([[cache.stream_start]], device=engine.device)
+            self.answer = layout.build(self)
         self.use_graph = graph_capturable(engine.model) if graph is None else graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
     def step(self) -> torch.Tensor:
         """One token's forward on the buffers (the program a graph captures): the logits ``[V]`` after it,
-        every layer's slot and the position moved on by one."""
+        every layer's slot, the token index and (unless the layout's query stays) the position moved on by one."""
         engine = self.engine
         hidden = engine.decoder(input_ids=self.ids, position_ids=self.position, past_key_values=self.answer,
                                 use_cache=True, kvcli_cache=self.answer).last_hidden_state
         logits = engine.head(hidden[0, -1:])[0]
-        for layer in self.answer.layers:
-            layer.advance()
-        self.position.add_(1)
+        self.answer.advance()
+        if self.layout.query_moves:
+            self.position.add_(1)
+        self.token.add_(1)
         return logits
 
     def rehearse(self, steps: int) -> None:
-        """Run ``steps`` steps and undo everything they wrote (slots, position, and what a ring overwrote):
-        the warm-up before a capture (kernel choices, workspaces)."""
-        written = [tensor for layer in self.answer.layers for tensor in layer.written()] + [self.position]
+        """Run ``steps`` steps and undo everything they wrote (slots, position, token index, and what a ring or
+        an eviction overwrote): the warm-up before a capture (kernel choices, workspaces)."""
+        written = self.answer.written() + [self.position, self.token]
         saved = [tensor.clone() for tensor in written]
         for _ in range(steps):
             self.step()
@@ -354,11 +556,10 @@ class StaticSteps:
         """Hand the buffers back to the cache's layers with the tokens written, as the eager steps would have
         left them (entered at their positions, the stream moved on); the graph and its memory go."""
         steps = self.steps
-        for layer, answer in zip(self.cache.layers, self.answer.layers, strict=True):
-            answer.give_back(layer, steps, self.start, self.cache.stream_start)
+        self.answer.give_back(self.cache, steps, self.start)
         self.cache.stream_start += steps
-        if steps:  # the last step's position in the eager steps: a ring's query stays at the start
-            self.cache.block_start = self.start if self.ring else self.start + steps - 1
+        if steps:  # the last step's position in the eager steps: one that evicts keeps its query at the start
+            self.cache.block_start = self.start if self.engine.evicts_while_writing() else self.start + steps - 1
         self.graph = self.logits = None
         self.answer = None
         self.steps = 0
@@ -377,5 +578,7 @@ def answer_steps(engine, cache: KVCache, room: int, static: bool = True) -> Eage
         if static_steps_apply(engine, cache, room):
             return StaticSteps(engine, cache, room)
         if ring_steps_apply(engine, cache, room):
-            return StaticSteps(engine, cache, room, ring=True)
+            return StaticSteps(engine, cache, room, layout=RingCache)
+        if evicting_steps_apply(engine, cache):
+            return StaticSteps(engine, cache, room, layout=EvictingCache)
     return EagerSteps(engine, cache)

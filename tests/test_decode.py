@@ -5,12 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.decode import EagerSteps, StaticSteps, answer_steps, graph_capturable, masked_attention
+from kvcli.decode import (
+    AnswerCache,
+    EagerSteps,
+    EvictingCache,
+    RingCache,
+    StaticSteps,
+    answer_steps,
+    graph_capturable,
+    masked_attention,
+)
 from kvcli.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models import tiny_llama
 
 STEPS = 12
+LAYOUTS = {"streamingllm": RingCache, "treekv": EvictingCache}
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +32,12 @@ def ids_of(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def read(model, name: str, one_shot: bool, kv_bits: int = 16, budget: int = 40):
-    """An engine and the cache of a read as ``kvcli ask`` does it (one shot, or streamed in blocks)."""
+def read(model, name: str, one_shot: bool, kv_bits: int = 16, budget: int = 40, trained_context: int | None = None):
+    """An engine and the cache of a read as ``kvcli ask`` does it (one shot, or streamed in blocks); a short
+    ``trained_context`` makes a per-head method compact each head's positions (no ``heads_apart``)."""
     engine = Engine(model, make_method(name), budget, block=16, kv_bits=kv_bits)
+    if trained_context is not None:
+        engine.trained_context = trained_context
     cache = engine.new_cache()
     ids = ids_of(90, 7)
     if one_shot:
@@ -58,6 +71,8 @@ def current(cache) -> list[tuple]:
     ("pyramidkv", True, 40, STEPS), ("full", False, 40, STEPS),
     ("streamingllm", False, 40, STEPS), ("streamingllm", True, 40, STEPS),
     ("streamingllm", False, 12, 20),  # a ring of 9 slots (4 sinks): the window wraps twice
+    ("treekv", False, 40, STEPS), ("treekv", True, 40, STEPS),
+    ("treekv", False, 12, 20),  # 4 sinks, 4 recent, 4 in the tree region: the sweep wraps five times
 ])
 def test_static_steps_write_what_the_engine_writes(model, name, one_shot, budget, count):
     engine, cache, token = read(model, name, one_shot, budget=budget)
@@ -65,7 +80,7 @@ def test_static_steps_write_what_the_engine_writes(model, name, one_shot, budget
     eager_cache = current(cache)
     engine, cache, token = read(model, name, one_shot, budget=budget)
     steps = answer_steps(engine, cache, count)
-    assert isinstance(steps, StaticSteps) and steps.ring == (name == "streamingllm")
+    assert isinstance(steps, StaticSteps) and steps.layout is LAYOUTS.get(name, AnswerCache)
     static_tokens, static_logits = write(steps, token, count)
     assert static_tokens == eager_tokens
     torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
@@ -78,16 +93,39 @@ def test_static_steps_write_what_the_engine_writes(model, name, one_shot, budget
     assert steps.max_tokens == max(cache.lengths())
 
 
-def test_static_steps_continue_where_the_reading_can_go_on(model):
-    """After the static steps hand the cache back, another read or answer runs on it as after eager steps."""
+def test_evicting_steps_with_each_heads_positions_compacted(model):
+    """When a layer's heads do not share one order of positions, each head's tokens sit at consecutive positions."""
+    results = []
+    for static in (False, True):
+        engine, cache, token = read(model, "treekv", one_shot=False, trained_context=100)
+        assert not cache.heads_apart
+        steps = answer_steps(engine, cache, STEPS, static=static)
+        assert isinstance(steps, StaticSteps if static else EagerSteps)
+        results.append((*write(steps, token, STEPS), current(cache)))
+    assert results[1][0] == results[0][0]
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-4)
+    for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(results[0][2], results[1][2], strict=True):
+        assert torch.equal(t0, t1) and torch.equal(p0, p1)
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "treekv"])
+def test_static_steps_continue_where_the_reading_can_go_on(model, name):
+    """After the static steps hand the cache back, another read or answer runs on it as after eager steps
+    (TreeKV's sweep index and scores included)."""
     outs = []
     for static in (False, True):
-        engine, cache, token = read(model, "snapkv", one_shot=False)
+        engine, cache, token = read(model, name, one_shot=False)
         write(answer_steps(engine, cache, 5, static=static), token, 5)
         hidden = engine.forward(cache, ids_of(16, 9), last_only=True)
-        outs.append((engine.logits(hidden[-1:])[0], cache.lengths(), cache.stream_start))
+        outs.append((engine.logits(hidden[-1:])[0], current(cache), cache.lengths(), cache.stream_start))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
-    assert outs[1][1:] == outs[0][1:]
+    for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(outs[0][1], outs[1][1], strict=True):  # what the read kept
+        assert torch.equal(t0, t1) and torch.equal(p0, p1)
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    assert outs[1][2:] == outs[0][2:]
 
 
 def test_an_interrupted_answer_leaves_the_cache_whole(model):
@@ -107,7 +145,7 @@ def test_an_interrupted_answer_leaves_the_cache_whole(model):
     fresh.finish()
 
 
-@pytest.mark.parametrize(("name", "kv_bits"), [("treekv", 16), ("h2o", 16), ("tova", 16), ("snapkv", 8),
+@pytest.mark.parametrize(("name", "kv_bits"), [("h2o", 16), ("tova", 16), ("treekv", 8), ("snapkv", 8),
                                              ("streamingllm", 8)])
 def test_the_engines_steps_where_the_static_ones_cannot_stand_in(model, name, kv_bits):
     """A method that evicts by its scores while writing, or a quantized cache, keeps the engine's own steps."""
@@ -140,13 +178,13 @@ def test_masked_attention_ignores_the_hidden_slots():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "full", "streamingllm"])
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "full", "streamingllm", "treekv"])
 def test_the_captured_step_writes_what_the_uncaptured_one_writes(name):
     model = tiny_llama(num_layers=3, hidden=64, heads=4, kv_heads=2, vocab=128, seed=3).cuda()
     results = []
     for graph in (False, True):
         engine, cache, token = read(model, name, one_shot=False)
-        steps = StaticSteps(engine, cache, STEPS, graph=graph, ring=name == "streamingllm")
+        steps = StaticSteps(engine, cache, STEPS, graph=graph, layout=LAYOUTS.get(name, AnswerCache))
         results.append(write(steps, token, STEPS))
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[1][1], results[0][1])
@@ -161,14 +199,14 @@ def test_a_ring_only_when_every_layer_is_full(model):
     assert isinstance(answer_steps(engine, cache, STEPS), EagerSteps)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streamingllm"])
+@pytest.mark.parametrize("name", ["snapkv", "streamingllm", "treekv"])
 def test_a_rehearsal_leaves_nothing_behind(model, name):
     """The warm-up before a CUDA graph's capture runs real steps: undone, they change no later step (a ring's
     rehearsal overwrites slots the first real step still reads)."""
     engine, cache, token = read(model, name, one_shot=False)
     eager = write(EagerSteps(engine, cache), token, 4)
     engine, cache, token = read(model, name, one_shot=False)
-    steps = StaticSteps(engine, cache, 4, graph=False, ring=name == "streamingllm")
+    steps = StaticSteps(engine, cache, 4, graph=False, layout=LAYOUTS.get(name, AnswerCache))
     with torch.inference_mode():
         steps.ids.fill_(5)
         steps.rehearse(2)

@@ -12,13 +12,32 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from kvcli.errors import BudgetError, UsageError
 from kvcli.lazy import F, torch
 
 if TYPE_CHECKING:
     from kvcli.cache import KVCache, LayerView
+
+
+class StepEviction(Protocol):
+    """A method's eviction while writing, one token per step and KV head from full layers, in fixed shapes on the
+    device (:meth:`Method.step_eviction`), so that :mod:`kvcli.decode` can capture the step as a CUDA graph."""
+
+    #: The per-token state (:attr:`kvcli.cache.CompressedLayer.state`) a step reads and updates.
+    names: tuple[str, ...]
+
+    def victim(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The cache index ``[R, 1]`` each row (a KV head of a layer, layer after layer) evicts, after the step's
+        query paid ``probs`` ``[R, T]`` (averaged over each KV head's query heads) to its ``T = budget + 1``
+        tokens; ``state`` (each name ``[R, T]``, the step's token's entry 0) is updated in place."""
+
+    def written(self) -> list[torch.Tensor]:
+        """The device tensors of its own a step changes (undone after a rehearsal)."""
+
+    def save(self, method_states: list[dict[str, object]]) -> None:
+        """Leave in each layer's ``method_state`` what the engine's next compression reads."""
 
 
 def param(default, help: str, **kwargs):
@@ -53,6 +72,13 @@ class Method:
     def score_window(self, block_len: int) -> int:
         """How many of a forward's last queries must record their attention (0: none needed)."""
         return 0
+
+    def step_eviction(self, budget: int, method_states: list[dict[str, object]], heads: int,
+                      device: torch.device) -> StepEviction | None:
+        """How a generated token's step evicts one token per KV head from layers full at ``budget`` (``heads``
+        KV heads each; ``method_states`` theirs), as a program of fixed shapes on ``device``
+        (:class:`kvcli.decode.EvictingCache`), or None when only the engine's step can."""
+        return None
 
     def selects_per_head(self) -> bool:
         """Whether the KV heads of a layer may keep different tokens (then a streamed cache gives a token one

@@ -83,6 +83,49 @@ def pair_rule(scores: torch.Tensor, capacity: int, steps: int, start: int) -> tu
     return (evicted[0] if len(evicted) == 1 else torch.cat(evicted, dim=1)), idx
 
 
+def pair_victim(scores: torch.Tensor, counts: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """One eviction of Algorithm 1 in every row: of the tokens at cache indices ``first`` and ``first + 1``
+    (``first`` ``[1]`` for all rows or ``[R, 1]``, a tensor so that a static decode step holds it on the
+    device), the lower averaged attention ``S / C`` goes, the left one on a tie. ``scores``, ``counts``
+    ``[R, T]``; returns the cache index ``[R, 1]``."""
+    pair = (first + torch.arange(2, device=scores.device)).expand(scores.shape[0], 2)
+    importance = scores.gather(1, pair) / counts.gather(1, pair).clamp_min(1.0)
+    return pair[:, :1] + (importance[:, :1] > importance[:, 1:]).long()
+
+
+@dataclass
+class PairStep:
+    """TreeKV's eviction while writing (one token per step, :meth:`TreeKV.compress` with one new token) as a
+    program of fixed shapes for :class:`kvcli.decode.EvictingCache`, every layer's KV heads as rows, each
+    layer's sweep index on the device.
+
+    A step adds its query's attention to ``S`` and one to ``C`` (as :meth:`TreeKV._accumulate` does for a
+    one-query window), then evicts by :func:`pair_victim` at the tree region's ``idx``-th token.
+    """
+
+    sinks: int
+    selected: int
+    heads: int
+    idx: torch.Tensor  # [layers, 1] long: each layer's sweep index, 0-based in the tree region
+
+    names = (SCORE, COUNT)  # the per-token state a step reads and updates
+
+    def victim(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        scores = state[SCORE].add_(probs)
+        counts = state[COUNT].add_(1.0)
+        gone = pair_victim(scores, counts, (self.idx + self.sinks).repeat_interleave(self.heads, dim=0))
+        self.idx.add_(1).remainder_(self.selected)
+        return gone
+
+    def written(self) -> list[torch.Tensor]:
+        return [self.idx]
+
+    def save(self, method_states: list[dict[str, object]]) -> None:
+        """Leave each layer's sweep index where the engine's next compression reads it."""
+        for method_state, idx in zip(method_states, self.idx[:, 0].tolist(), strict=True):
+            method_state[IDX] = idx
+
+
 def remove(positions: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
     """``positions`` ``[R, N]`` without the entries at indices ``drop`` ``[R, m]`` (same m per row).
 
@@ -113,6 +156,12 @@ class TreeKV(Method):
 
     def selects_per_head(self) -> bool:
         return True
+
+    def step_eviction(self, budget: int, method_states: list[dict[str, object]], heads: int,
+                      device: torch.device) -> PairStep:
+        split = Split.of(budget, self.sinks, self.recent)
+        idx = [int(state.get(IDX, 0)) % split.selected for state in method_states]
+        return PairStep(split.sinks, split.selected, heads, torch.tensor(idx, device=device)[:, None])
 
     def score_window(self, block_len: int) -> int:
         return min(self.window, block_len)
@@ -185,9 +234,7 @@ class TreeKV(Method):
         units, rest = divmod(excess, unit) if unit > 1 else (0, excess)
         idx = first.method_state.get(IDX, 0) % split.selected
         if units == 0 and rest == 1:  # decoding: one comparison, cheaper than a sweep
-            pair = torch.arange(lo + idx, lo + idx + 2, device=device)
-            importance = scores[:, pair] / counts[:, pair].clamp_min(1.0)
-            gone = pair[0] + (importance[:, :1] > importance[:, 1:]).long()  # [R, 1] cache index
+            gone = pair_victim(scores, counts, torch.arange(lo + idx, lo + idx + 1, device=device))
             kept = torch.arange(length - 1, device=device).expand(rows, length - 1)
             return self._per_layer(views, kept + (kept >= gone).long(), (idx + 1) % split.selected)
         importance = scores[:, lo:hi] / counts[:, lo:hi].clamp_min(1.0)  # S / C (Algorithm 1, line 10)
