@@ -259,7 +259,8 @@ class RingCache(AnswerCache):
 
 class EvictingLayer(AnswerLayer):
     """One layer's part of :class:`EvictingCache`: the step writes its token into the last slot and attends to
-    every slot, the keys as the cache rotated them for this step; the cache evicts after the whole step."""
+    every slot, the keys as the cache rotated them for this step, and keeps its query's attention (as a record
+    would); the cache evicts after the whole step."""
 
     def __init__(self, stack: EvictingCache, index: int):
         CacheLayerMixin.__init__(self)
@@ -280,12 +281,11 @@ class EvictingLayer(AnswerLayer):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int) -> tuple[torch.Tensor, None]:
-        """Attention to every slot; the step's query's attention, averaged over each KV head's query heads, is
-        kept for the eviction."""
+        """Attention to every slot; the query's attention ``[H_kv, group, T]`` is kept for the eviction."""
         logits = grouped_logits(query, self.current, scaling)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         out = torch.matmul(probs.to(value.dtype), self.values).view(query.shape[:3] + value.shape[-1:])
-        torch.mean(probs.view(self.probs.shape[0], -1, self.length + 1), dim=1, out=self.probs)
+        self.probs.copy_(probs.view(self.probs.shape))
         return out, None
 
 
@@ -336,7 +336,8 @@ class EvictingCache(AnswerCache):
         self.token = token  # the step's token index in the stream [1, 1], shared with the steps
         self.slots = torch.arange(slots, device=engine.device)
         self.current = torch.empty_like(self.keys)  # the keys rotated to where they sit at the coming step
-        self.probs = torch.zeros((size, heads, slots), dtype=torch.float32, device=engine.device)
+        group = engine.model.config.num_attention_heads // heads
+        self.probs = torch.zeros((size, heads, group, slots), dtype=torch.float32, device=engine.device)
         self.chunk = size if engine.device.type == "cuda" else 1
         self.place()
         super().__init__([EvictingLayer(self, i) for i in range(size)])
@@ -367,7 +368,7 @@ class EvictingCache(AnswerCache):
         self.tokens[:, :, count:] = self.token
         for state in self.state.values():
             state[:, count:] = 0
-        gone = self.eviction.victim(self.probs.view(size * heads, slots), self.state)  # [rows, 1]
+        gone = self.eviction.victim(self.probs, self.state)  # [rows, 1]
         after = (self.slots[:count] >= gone).view(size, heads, count)  # the slots that take their right neighbour's
         for first in range(0, size, self.chunk):
             layers = slice(first, first + self.chunk)

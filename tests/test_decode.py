@@ -20,7 +20,7 @@ from kvcli.methods import make_method
 from kvcli.models import tiny_llama
 
 STEPS = 12
-LAYOUTS = {"streamingllm": RingCache, "treekv": EvictingCache}
+LAYOUTS = {"streamingllm": RingCache, "treekv": EvictingCache, "h2o": EvictingCache, "tova": EvictingCache}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,7 @@ def current(cache) -> list[tuple]:
     ("streamingllm", False, 12, 20),  # a ring of 9 slots (4 sinks): the window wraps twice
     ("treekv", False, 40, STEPS), ("treekv", True, 40, STEPS),
     ("treekv", False, 12, 20),  # 4 sinks, 4 recent, 4 in the tree region: the sweep wraps five times
+    ("h2o", False, 40, STEPS), ("h2o", False, 12, 20), ("tova", False, 40, STEPS), ("tova", False, 12, 20),
 ])
 def test_static_steps_write_what_the_engine_writes(model, name, one_shot, budget, count):
     engine, cache, token = read(model, name, one_shot, budget=budget)
@@ -110,7 +111,7 @@ def test_evicting_steps_with_each_heads_positions_compacted(model):
         torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "treekv"])
+@pytest.mark.parametrize("name", ["snapkv", "treekv", "h2o"])
 def test_static_steps_continue_where_the_reading_can_go_on(model, name):
     """After the static steps hand the cache back, another read or answer runs on it as after eager steps
     (TreeKV's sweep index and scores included)."""
@@ -145,7 +146,7 @@ def test_an_interrupted_answer_leaves_the_cache_whole(model):
     fresh.finish()
 
 
-@pytest.mark.parametrize(("name", "kv_bits"), [("h2o", 16), ("tova", 16), ("treekv", 8), ("snapkv", 8),
+@pytest.mark.parametrize(("name", "kv_bits"), [("pyramidinfer", 16), ("treekv", 8), ("h2o", 8), ("snapkv", 8),
                                              ("streamingllm", 8)])
 def test_the_engines_steps_where_the_static_ones_cannot_stand_in(model, name, kv_bits):
     """A method that evicts by its scores while writing, or a quantized cache, keeps the engine's own steps."""
@@ -178,7 +179,7 @@ def test_masked_attention_ignores_the_hidden_slots():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "full", "streamingllm", "treekv"])
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "full", "streamingllm", "treekv", "h2o", "tova"])
 def test_the_captured_step_writes_what_the_uncaptured_one_writes(name):
     model = tiny_llama(num_layers=3, hidden=64, heads=4, kv_heads=2, vocab=128, seed=3).cuda()
     results = []
@@ -234,3 +235,24 @@ def test_a_capture_that_fails_launches_the_same_step(model, monkeypatch):
 
 def test_graphs_only_for_plain_weights_on_one_gpu(model):
     assert not graph_capturable(model)  # a CPU
+
+
+def test_a_scored_step_evicts_what_select_top_leaves_out():
+    """H2O's and TOVA's step: the lowest score outside the sinks and the recent window goes, the latest of equal
+    ones, as the engine's select_top (a stable sort keeping the earlier) leaves it; per layer for TOVA."""
+    from kvcli.methods.base import LowestStep, select_top
+
+    generator = torch.Generator().manual_seed(1)
+    probs = torch.rand(2, 3, 2, 12, generator=generator).round(decimals=1)  # [L, H_kv, group, T]: many ties
+    probs[..., 0] = 0.0  # a sink scoring lowest is kept all the same
+    for name in ("h2o", "tova"):
+        method = make_method(name, {"sinks": 2, "recent": 3})
+        state = {key: torch.zeros(6, 12) for key in method.state_names}
+        step = LowestStep(method, 2, 3)
+        gone = step.victim(probs, {key: value.clone() for key, value in state.items()})
+        scores = method.step_scores(probs, state)
+        protected = (torch.arange(12) < 2) | (torch.arange(12) >= 9)
+        kept = select_top(scores, protected, 11)
+        left_out = [sorted(set(range(12)) - set(row.tolist())) for row in kept]
+        expected = torch.tensor(left_out).repeat_interleave(6 // scores.shape[0], dim=0)
+        assert torch.equal(gone, expected)

@@ -30,8 +30,9 @@ class StepEviction(Protocol):
 
     def victim(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """The cache index ``[R, 1]`` each row (a KV head of a layer, layer after layer) evicts, after the step's
-        query paid ``probs`` ``[R, T]`` (averaged over each KV head's query heads) to its ``T = budget + 1``
-        tokens; ``state`` (each name ``[R, T]``, the step's token's entry 0) is updated in place."""
+        query paid ``probs`` ``[L, H_kv, group, T]`` (fp32, as a record holds them) to the ``T = budget + 1``
+        tokens of each layer; ``state`` (each name ``[R, T]``, the step's token's entry 0) is updated in
+        place."""
 
     def written(self) -> list[torch.Tensor]:
         """The device tensors of its own a step changes (undone after a rehearsal)."""
@@ -160,11 +161,30 @@ class ScoredMethod(Method):
     by paper), which this class reads.
     """
 
+    #: The per-token state :meth:`step_scores` reads and updates.
+    state_names: ClassVar[tuple[str, ...]] = ()
+
     def validate(self, budget: int) -> None:
         check_split(budget, self.sinks, self.recent)
 
     def selects_per_head(self) -> bool:
         return True
+
+    def step_scores(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """While writing, in fixed shapes: the scores ``[L * H_kv, T]`` (or ``[L, T]``) of full layers' tokens
+        after a generated token's query paid ``probs`` ``[L, H_kv, group, T]``, ``state`` (:attr:`state_names`,
+        rows ``[L * H_kv, T]``) updated in place: what :meth:`observe_layers` then :meth:`score_layers` give
+        in the engine's step. A subclass that writes it gets a static decode step (:class:`LowestStep`)."""
+        raise NotImplementedError
+
+    def step_eviction(self, budget: int, method_states: list[dict[str, object]], heads: int,
+                      device: torch.device) -> StepEviction | None:
+        if type(self).step_scores is ScoredMethod.step_scores or type(self).kept_count is not ScoredMethod.kept_count:
+            return None  # no fixed-shape scores, or a layer that keeps other than its budget
+        if type(self).kept_recent is not ScoredMethod.kept_recent:
+            return None
+        split = Split.of(budget, self.sinks, self.recent)
+        return LowestStep(self, split.sinks, split.recent)
 
     def kept_recent(self, view: LayerView, budget: int) -> int:
         """The recent window, protected like the sinks."""
@@ -275,6 +295,36 @@ class ScoredMethod(Method):
         """``(length, sinks, recent)`` of :meth:`protected`."""
         question = min(view.question, max(count - self.sinks, 0) // 2)
         return view.length, self.sinks, max(self.kept_recent(view, budget), question)
+
+
+@dataclass
+class LowestStep:
+    """A scored method's eviction while writing (:meth:`ScoredMethod.step_scores`), for
+    :class:`kvcli.decode.EvictingCache`: of a full layer's tokens outside the sinks and the recent window,
+    the lowest-scored goes, the latest of equal ones (:func:`select_top` keeps the earlier)."""
+
+    method: ScoredMethod
+    sinks: int
+    recent: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.method.state_names
+
+    def victim(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        scores = self.method.step_scores(probs, state)
+        length = scores.shape[-1]
+        ranked = (scores if scores.dtype == torch.float32 else scores.float()).masked_fill(
+            recent_and_sinks(length, self.sinks, self.recent, scores.device), float("inf"))
+        gone = length - 1 - ranked.flip(-1).argmin(dim=-1, keepdim=True)  # argmin gives the first of equal ones
+        rows = probs.shape[0] * probs.shape[1]
+        return gone if gone.shape[0] == rows else gone.repeat_interleave(rows // gone.shape[0], dim=0)
+
+    def written(self) -> list[torch.Tensor]:
+        return []
+
+    def save(self, method_states: list[dict[str, object]]) -> None:
+        """Nothing: the scores live in the per-token state."""
 
 
 def _batch_key(view: LayerView, uneven: bool = False) -> tuple:

@@ -31,8 +31,13 @@ class H2O(ScoredMethod):
     sinks: int = param(4, "initial tokens always kept (attention sinks)")
     recent: int | None = param(None, AUTO_RECENT_HELP)
 
+    state_names = (STATE,)
+
     def score_window(self, block_len: int) -> int:
         return block_len  # every query of the block adds to the accumulated scores
+
+    def step_scores(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        return state[STATE].add_(probs.flatten(0, 1).mean(dim=1))  # the GQA group averaged, as observe_layers
 
     def observe_layers(self, views: list[LayerView]) -> None:
         if views[0].record is not None:

@@ -33,6 +33,9 @@ class TOVA(ScoredMethod):
     def score_window(self, block_len: int) -> int:
         return 1
 
+    def step_scores(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        return probs.mean(dim=(1, 2))  # every query head of each layer, as score_layers
+
     def score_layers(self, views: list[LayerView]) -> torch.Tensor:
         if views[0].record is None:
             raise RuntimeError("tova needs the attention of the last query")

@@ -111,7 +111,7 @@ class PairStep:
     names = (SCORE, COUNT)  # the per-token state a step reads and updates
 
     def victim(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        scores = state[SCORE].add_(probs)
+        scores = state[SCORE].add_(probs.flatten(0, 1).mean(dim=1))  # the GQA group averaged, as _accumulate
         counts = state[COUNT].add_(1.0)
         gone = pair_victim(scores, counts, (self.idx + self.sinks).repeat_interleave(self.heads, dim=0))
         self.idx.add_(1).remainder_(self.selected)
