@@ -22,9 +22,15 @@ of re-rotating every window key each step, positions run on from the read (the q
 while the sinks are scored with the query turned back by ``t``: every distance is the one the eager
 step's re-assigned positions give.
 
-Where neither static step can stand in (a method that evicts by scores while writing, a quantized cache,
-a layer with its own layout or an attention window, positions that would pass the trained context),
-:func:`answer_steps` returns the eager one.
+A method that evicts one token a step by its scores (TreeKV's pair rule, H2O's and TOVA's lowest score)
+gives that rule in fixed shapes (:meth:`kvcli.methods.base.Method.step_eviction`). Every layer's tokens are
+then stacked with one slot for the step's (:class:`EvictingCache`); after each step one batched eviction for
+all layers drops a token per KV head, closes the gap, and rotates the keys to where they sit at the next
+step, so the cache stays what the engine's step leaves.
+
+Where no static step can stand in (a method whose decoding rule has no fixed-shape form, a quantized
+cache, a layer with its own layout or an attention window, positions that would pass the trained
+context), :func:`answer_steps` returns the eager one.
 """
 
 from __future__ import annotations
@@ -267,7 +273,7 @@ class EvictingLayer(AnswerLayer):
         self.layer_idx = index
         self.keys, self.values = stack.keys[index], stack.values[index]  # [1, H, T + 1, D]
         self.current = stack.current[index]
-        self.probs = stack.probs[index]  # [H, T + 1]
+        self.probs = stack.probs[index]  # [H, group, T + 1]
         self.length = self.keys.shape[2] - 1
         self.dtype, self.device = self.keys.dtype, self.keys.device
         self.is_initialized = True
@@ -290,8 +296,9 @@ class EvictingLayer(AnswerLayer):
 
 
 class EvictingCache(AnswerCache):
-    """The layers of a method that evicts one token a step by its scores while writing (TreeKV), stacked: each
-    layer's ``budget`` tokens and one slot for the step's, in stream order as the engine's step leaves them.
+    """The layers of a method that evicts one token a step by its scores while writing (TreeKV, H2O, TOVA),
+    stacked: each layer's ``budget`` tokens and one slot for the step's, in stream order as the engine's step
+    leaves them.
 
     After a step (:meth:`advance`), the method's :class:`kvcli.methods.base.StepEviction` picks the token each
     KV head of each layer drops, the slots after it move one to the left, and the keys are rotated from their
@@ -572,9 +579,9 @@ class StaticSteps:
 
 def answer_steps(engine, cache: KVCache, room: int, static: bool = True) -> EagerSteps | StaticSteps:
     """The decode steps for writing up to ``room`` tokens after a read into ``cache``: static where
-    :func:`static_steps_apply` or :func:`ring_steps_apply` (on every device: a CPU gains too, no cache is
-    concatenated per token), else the engine's own; ``static`` False forces the engine's (the reference
-    the static steps are tested against)."""
+    :func:`static_steps_apply`, :func:`ring_steps_apply` or :func:`evicting_steps_apply` (on every device: a
+    CPU gains too, no cache is concatenated per token), else the engine's own; ``static`` False forces the
+    engine's (the reference the static steps are tested against)."""
     if static and room > 0:
         if static_steps_apply(engine, cache, room):
             return StaticSteps(engine, cache, room)
