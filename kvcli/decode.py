@@ -251,6 +251,9 @@ class AnswerCache(Cache):
         """What a step changes that a later step reads (undone after a rehearsal)."""
         return [tensor for layer in self.layers for tensor in layer.written()]
 
+    def restored(self) -> None:
+        """After a rehearsal restored :meth:`written`: rebuild what is derived from it (nothing here)."""
+
     def give_back(self, cache: KVCache, steps: int, start: int) -> None:
         """``cache``'s layers hold what they held and the ``steps`` tokens written from position ``start``."""
         for layer, answer in zip(cache.layers, self.layers, strict=True):
@@ -387,8 +390,11 @@ class EvictingCache(AnswerCache):
             self.place(first, first + self.chunk)
 
     def written(self) -> list[torch.Tensor]:
-        return [self.keys, self.values, self.current, self.entry, self.tokens, *self.state.values(),
-                *self.eviction.written()]
+        """Not the rotated keys, which :meth:`restored` makes again: a rehearsal saves one copy fewer of the cache."""
+        return [self.keys, self.values, self.entry, self.tokens, *self.state.values(), *self.eviction.written()]
+
+    def restored(self) -> None:
+        self.place()
 
     def give_back(self, cache: KVCache, steps: int, start: int) -> None:
         """``cache``'s layers hold the budget's tokens the steps left, in stream order, with the method's state."""
@@ -527,6 +533,7 @@ class StaticSteps:
             self.step()
         for tensor, copy in zip(written, saved, strict=True):
             tensor.copy_(copy)
+        self.answer.restored()
 
     def capture(self) -> None:
         """Rehearse the step on a side stream and capture one step; a replay then runs it from the slots and
