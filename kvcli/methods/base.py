@@ -179,10 +179,10 @@ class ScoredMethod(Method):
 
     def step_eviction(self, budget: int, method_states: list[dict[str, object]], heads: int,
                       device: torch.device) -> StepEviction | None:
-        if type(self).step_scores is ScoredMethod.step_scores or type(self).kept_count is not ScoredMethod.kept_count:
-            return None  # no fixed-shape scores, or a layer that keeps other than its budget
-        if type(self).kept_recent is not ScoredMethod.kept_recent:
-            return None
+        own = type(self)
+        if (own.step_scores is ScoredMethod.step_scores or own.kept_count is not ScoredMethod.kept_count
+                or own.kept_recent is not ScoredMethod.kept_recent):
+            return None  # no fixed-shape scores, or a layer that keeps other than its budget and window
         split = Split.of(budget, self.sinks, self.recent)
         return LowestStep(self, split.sinks, split.recent)
 
