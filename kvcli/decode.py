@@ -338,9 +338,7 @@ class EvictingCache(AnswerCache):
             self.tokens[i, :, :count] = layer.token_idx
             for name, state in self.state.items():
                 state.view(size, heads, slots)[i, :, :count] = layer.state[name]
-        freqs = [layer.inv_freq for layer in layers]
-        same = all(freq is freqs[0] or torch.equal(freq, freqs[0]) for freq in freqs)
-        self.inv_freq = freqs[0] if same else torch.stack(freqs)[:, None, None, :]
+        self.inv_freq = first.inv_freq  # every layer's (evicting_steps_apply)
         self.heads_apart = cache.heads_apart
         self.position = position  # the step's position [1, 1], fixed
         self.token = token  # the step's token index in the stream [1, 1], shared with the steps
@@ -364,8 +362,7 @@ class EvictingCache(AnswerCache):
             positions = self.position - offsets.view(heads, size, count).transpose(0, 1)
         else:
             positions = self.position - count + self.slots[:count]
-        inv_freq = self.inv_freq if self.inv_freq.dim() == 1 else self.inv_freq[layers]
-        rotated = rotate_keys(self.keys[layers, 0, :, :count], positions - entry[:, :, :count], inv_freq)
+        rotated = rotate_keys(self.keys[layers, 0, :, :count], positions - entry[:, :, :count], self.inv_freq)
         self.current[layers, 0, :, :count] = rotated
 
     def advance(self) -> None:
@@ -442,8 +439,9 @@ def ring_steps_apply(engine, cache: KVCache, room: int) -> bool:
 
 def evicting_steps_apply(engine, cache: KVCache) -> bool:
     """Whether :class:`EvictingCache` steps can write (any number of tokens: the query never moves): a method
-    with a step eviction (:meth:`kvcli.methods.base.Method.step_eviction`), every layer alike and full at one
-    budget (so that each step evicts exactly one) with the state that eviction reads, positions re-assigned."""
+    with a step eviction (:meth:`kvcli.methods.base.Method.step_eviction`), every layer alike (shapes, RoPE
+    frequencies) and full at one budget (so that each step evicts exactly one) with the state that eviction
+    reads, positions re-assigned."""
     if not (engine.evicts_while_writing() and not cache.keep_positions
             and _plain_and_in_range(engine, cache, cache.next_position() + 1)):
         return False
@@ -453,6 +451,8 @@ def evicting_steps_apply(engine, cache: KVCache) -> bool:
     layers = cache.layers
     if len({(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in layers}) != 1:
         return False
+    if len(set(cache.freq_group)) != 1:
+        return False  # the layers' keys rotate as one batch, with one set of RoPE frequencies
     heads = layers[0].values.shape[1]
     eviction = engine.method.step_eviction(budget, [layer.method_state for layer in layers], heads, engine.device)
     if eviction is None:

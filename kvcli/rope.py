@@ -10,9 +10,8 @@ import torch
 
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate RoPE keys ``[1, H, T, D]`` by ``delta`` positions ``[H, T]`` (a pure rotation, no scaling); any
-    leading dimensions broadcast, so ``[L, H, T, D]`` keys of ``L`` layers take ``[L, H, T]`` deltas and either
-    one ``inv_freq`` ``[D / 2]`` or one per layer ``[L, 1, 1, D / 2]``.
+    """Rotate RoPE keys ``[1, H, T, D]`` by ``delta`` positions ``[H, T]`` (a pure rotation, no scaling); leading
+    dimensions broadcast (``[L, H, T, D]`` keys of ``L`` layers that share ``inv_freq`` take ``[L, H, T]``).
 
     RoPE is a rotation per frequency pair, so moving a key from position p to p' is one more
     rotation by p' - p, computed in float32 and rounded once. Each pair's cosine and sine are computed
