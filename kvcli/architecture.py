@@ -48,6 +48,9 @@ class Architecture:
     head_dim: int
     #: Positions at or past this make a length-dependent RoPE switch frequencies (None: never).
     rope_limit: int | None = None
+    #: Every layer's attention is a plain softmax of scaled logits: no logit soft-capping (Gemma 2) and no
+    #: learned sinks (GPT-OSS), which only kvcli's explicit attention path computes.
+    plain_softmax: bool = True
 
     @property
     def windows(self) -> list[int | None]:
@@ -116,7 +119,9 @@ def describe(model: torch.nn.Module) -> Architecture:
         theta = params.get("rope_theta")
         layers.append(LayerFacts(inv_freq.detach().to(torch.float32).clone(), _layer_window(config, layer_type),
                                  layer_type or "full_attention", rope_type, None if theta is None else float(theta)))
-    return Architecture(model_type, layers, int(head_dim), limit)
+    softcapped = getattr(config, "attn_logit_softcapping", None) is not None
+    sinks = any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in getattr(decoder, "layers", ()))
+    return Architecture(model_type, layers, int(head_dim), limit, plain_softmax=not (softcapped or sinks))
 
 
 @dataclass(frozen=True)

@@ -409,9 +409,9 @@ class EvictingCache(AnswerCache):
 
 
 def _plain_and_in_range(engine, cache: KVCache, end: int) -> bool:
-    """What every static step needs: plain, unquantized layers, and positions up to ``end`` (excluded) within
-    the model's."""
-    if cache.kv_quant is not None:
+    """What every static step needs: a plain softmax (its attention computes nothing else), plain, unquantized
+    layers, and positions up to ``end`` (excluded) within the model's."""
+    if cache.kv_quant is not None or not engine.architecture.plain_softmax:
         return False
     if not all(type(layer) is CompressedLayer and layer.is_initialized and isinstance(layer.keys, torch.Tensor)
                for layer in cache.layers):

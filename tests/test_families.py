@@ -305,6 +305,28 @@ def test_window_layers_cost_no_budget_and_the_bytes_drop(models):
     assert totals.kv_cache_bytes < per_token_layer * 3 * 40
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_soft_capping_and_sinks_keep_the_engines_decode_step(family):
+    """The static decode step (kvcli.decode) computes a plain softmax only: Gemma 2's soft-capped logits and
+    GPT-OSS's learned sinks write with the engine's step, here with every layer full (no window layer, which
+    would keep it anyway)."""
+    from kvcli.decode import EagerSteps, answer_steps
+
+    register_attention()
+    torch.manual_seed(0)
+    config = CONFIGS[family]()
+    config.layer_types = [FULL] * config.num_hidden_layers
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    assert not describe(model).plain_softmax
+    assert all(describe(model_of_family).plain_softmax for model_of_family in (build("llama3"), build("gemma3")))
+    engine = Engine(model, make_method("snapkv"), 40, block=16)
+    cache = engine.new_cache()
+    engine.forward(cache, stream_ids(64, seed=2)[None], last_only=True)
+    assert engine.budgets == [40] * config.num_hidden_layers
+    assert isinstance(answer_steps(engine, cache, 4), EagerSteps)
+
+
 def dynamic_llama() -> torch.nn.Module:
     register_attention()
     torch.manual_seed(0)
