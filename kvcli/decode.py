@@ -39,7 +39,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcli.attention import grouped_logits
-from kvcli.cache import CompressedLayer, KVCache
+from kvcli.cache import CompressedLayer, KVCache, WindowLayer
 from kvcli.joined import union_offsets
 from kvcli.rope import rotate_keys
 
@@ -154,20 +154,27 @@ class AnswerLayer(CacheLayerMixin):
 
 
 class RingLayer(AnswerLayer):
-    """StreamingLLM's layer while writing: ``sinks`` fixed tokens and a ring of ``window + 1`` slots, the
-    next token written over the oldest (which the eager step evicted after the step before).
+    """A layer that evicts its oldest token each step while writing: StreamingLLM's (``sinks`` fixed tokens and
+    a ring of ``window + 1`` slots) or a layer with an attention window of ``W`` (no sinks, a ring of ``W``
+    slots), the next token written over the oldest (which the eager step evicted after the step before).
 
     The sinks sit at positions ``0 ... sinks - 1`` and the step's query at ``start`` in the eager step's
-    re-assigned positions; here the query runs on at ``start + t`` (the window keys keep the positions
-    they were rotated at), so the sinks are scored with the query turned back by ``t``.
+    re-assigned positions; here the ring's ``clock`` runs on at ``start + t`` (the ring's keys keep the
+    positions they were rotated at), so the sinks are scored with the query turned back by ``t``. Where the
+    model's position stays at ``start`` (:attr:`AnswerCache.query_moves` False), the step's key and query
+    are turned forward to the clock.
     """
 
     @classmethod
     def of(cls, layer: CompressedLayer, steps: StaticSteps) -> RingLayer:
-        return cls(layer, steps.start, steps.engine.method.sinks, steps.position, steps.token)
+        sinks = 0 if layer.window is not None else steps.engine.method.sinks
+        return cls(layer, steps.start, sinks, steps.position, steps.token, steps.clock)
 
-    def __init__(self, layer: CompressedLayer, start: int, sinks: int, position: torch.Tensor, token: torch.Tensor):
+    def __init__(self, layer: CompressedLayer, start: int, sinks: int, position: torch.Tensor, token: torch.Tensor,
+                 clock: torch.Tensor):
         CacheLayerMixin.__init__(self)
+        self.window = layer.window  # kvcli_attention checks it against the model's
+        self.is_sliding = layer.window is not None
         tokens = layer.token_idx[0, sinks:]
         keys, values = self.take(layer, start)
         self.sinks = sinks
@@ -180,24 +187,37 @@ class RingLayer(AnswerLayer):
         self.start = start
         self.position = position  # the step's position [1, 1], shared with the steps
         self.token = token  # the step's token index in the stream [1, 1], shared with the steps
+        self.clock = clock  # start + t [1, 1], shared with the steps: the position position is, or turned to
+        self.turn = clock is not position
         self.entry = torch.cat((torch.arange(start - self.length + sinks, start, device=self.device),
                                 torch.zeros(1, dtype=torch.long, device=self.device)))  # each slot's position
         self.tokens = torch.cat((tokens, tokens.new_zeros(1)))  # each slot's token
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.entry.index_copy_(0, self.slot, self.position[0])
+        if self.turn:
+            key_states = self.turned(key_states)
+        self.entry.index_copy_(0, self.slot, self.clock[0])
         self.tokens.index_copy_(0, self.slot, self.token[0])
         return super().update(key_states, value_states)
+
+    def turned(self, rows: torch.Tensor) -> torch.Tensor:
+        """Queries or keys ``[1, H, 1, D]`` the model rotated at ``position``, rotated to ``clock``."""
+        return rotate_keys(rows, (self.clock - self.position).expand(rows.shape[1], 1), self.inv_freq)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int) -> tuple[torch.Tensor, None]:
         """Attention to the sinks (the query turned back to ``start``) and to every slot of the ring."""
-        back = (self.start - self.position).expand(query.shape[1], 1)
-        logits = torch.cat((grouped_logits(rotate_keys(query, back, self.inv_freq), self.sink_keys, scaling),
-                            grouped_logits(query, self.keys, scaling)), dim=-1)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
-        out = (torch.matmul(probs[..., :self.sinks], self.sink_values)
-               + torch.matmul(probs[..., self.sinks:], self.values))
+        if self.turn:
+            query = self.turned(query)
+        ring = grouped_logits(query, self.keys, scaling)
+        if self.sinks:
+            back = (self.start - self.clock).expand(query.shape[1], 1)
+            ring = torch.cat((grouped_logits(rotate_keys(query, back, self.inv_freq), self.sink_keys, scaling), ring),
+                             dim=-1)
+        probs = torch.softmax(ring, dim=-1, dtype=torch.float32).to(value.dtype)
+        out = torch.matmul(probs[..., self.sinks:], self.values)
+        if self.sinks:
+            out = out + torch.matmul(probs[..., :self.sinks], self.sink_values)
         return out.view(query.shape[:3] + value.shape[-1:]), None
 
     def advance(self) -> None:
@@ -233,8 +253,10 @@ class AnswerCache(Cache):
 
     @classmethod
     def build(cls, steps: StaticSteps) -> AnswerCache:
-        """The cache ``steps`` write through, taking over the layers of ``steps.cache``."""
-        return cls([cls.layer_type.of(layer, steps) for layer in steps.cache.layers])
+        """The cache ``steps`` write through, taking over the layers of ``steps.cache`` (a layer with an attention
+        window as a ring of it, whatever the method)."""
+        return cls([(RingLayer if layer.window is not None else cls.layer_type).of(layer, steps)
+                    for layer in steps.cache.layers])
 
     def __init__(self, layers: list[AnswerLayer]):
         super().__init__(layers=layers)
@@ -271,9 +293,9 @@ class EvictingLayer(AnswerLayer):
     every slot, the keys as the cache rotated them for this step, and keeps its query's attention (as a record
     would); the cache evicts after the whole step."""
 
-    def __init__(self, stack: EvictingCache, index: int):
+    def __init__(self, stack: EvictingCache, index: int, layer_idx: int):
         CacheLayerMixin.__init__(self)
-        self.layer_idx = index
+        self.layer_idx = layer_idx
         self.keys, self.values = stack.keys[index], stack.values[index]  # [1, H, T + 1, D]
         self.current = stack.current[index]
         self.probs = stack.probs[index]  # [H, group, T + 1]
@@ -315,10 +337,11 @@ class EvictingCache(AnswerCache):
 
     @classmethod
     def build(cls, steps: StaticSteps) -> EvictingCache:
-        return cls(steps.engine, steps.cache, steps.position, steps.token)
+        return cls(steps)
 
-    def __init__(self, engine, cache: KVCache, position: torch.Tensor, token: torch.Tensor):
-        layers = cache.layers
+    def __init__(self, steps: StaticSteps):
+        engine, cache = steps.engine, steps.cache
+        layers = [layer for layer in cache.layers if layer.window is None]  # the budgeted ones; window layers ring
         first = layers[0]
         count, heads = first.get_seq_length(), first.values.shape[1]
         slots, size = count + 1, len(layers)
@@ -340,15 +363,18 @@ class EvictingCache(AnswerCache):
                 state.view(size, heads, slots)[i, :, :count] = layer.state[name]
         self.inv_freq = first.inv_freq  # every layer's (evicting_steps_apply)
         self.heads_apart = cache.heads_apart
-        self.position = position  # the step's position [1, 1], fixed
-        self.token = token  # the step's token index in the stream [1, 1], shared with the steps
+        self.position = steps.position  # the step's position [1, 1], fixed
+        self.token = steps.token  # the step's token index in the stream [1, 1], shared with the steps
         self.slots = torch.arange(slots, device=engine.device)
         self.current = torch.empty_like(self.keys)  # the keys rotated to where they sit at the coming step
         group = engine.model.config.num_attention_heads // heads
         self.probs = torch.zeros((size, heads, group, slots), dtype=torch.float32, device=engine.device)
         self.chunk = size if engine.device.type == "cuda" else 1
         self.place()
-        super().__init__([EvictingLayer(self, i) for i in range(size)])
+        stacked = iter(range(size))
+        super().__init__([EvictingLayer(self, next(stacked), layer.layer_idx) if layer.window is None
+                          else RingLayer.of(layer, steps) for layer in cache.layers])
+        self.rings = [layer for layer in self.layers if isinstance(layer, RingLayer)]
 
     def place(self, first: int = 0, last: int | None = None) -> None:
         """Rotate the cached keys of layers ``first ... last - 1`` to their positions at the coming step (the
@@ -385,10 +411,13 @@ class EvictingCache(AnswerCache):
                          *(state.view(size, heads, slots)[layers] for state in self.state.values())):
                 rows[:, :, :count] = torch.where(after[layers], rows[:, :, 1:], rows[:, :, :count])
             self.place(first, first + self.chunk)
+        for ring in self.rings:
+            ring.advance()
 
     def written(self) -> list[torch.Tensor]:
         """Not the rotated keys, which :meth:`restored` makes again: a rehearsal saves one copy fewer of the cache."""
-        return [self.keys, self.values, self.entry, self.tokens, *self.state.values(), *self.eviction.written()]
+        return [self.keys, self.values, self.entry, self.tokens, *self.state.values(), *self.eviction.written(),
+                *(tensor for ring in self.rings for tensor in ring.written())]
 
     def restored(self) -> None:
         self.place()
@@ -397,8 +426,12 @@ class EvictingCache(AnswerCache):
         """``cache``'s layers hold the budget's tokens the steps left, in stream order, with the method's state."""
         size, heads, slots = self.entry.shape
         count = slots - 1
-        self.eviction.save([layer.method_state for layer in cache.layers])
-        for i, layer in enumerate(cache.layers):
+        layers = [layer for layer in cache.layers if layer.window is None]
+        self.eviction.save([layer.method_state for layer in layers])
+        windowed = [layer for layer in cache.layers if layer.window is not None]
+        for ring, layer in zip(self.rings, windowed, strict=True):
+            ring.give_back(layer, steps, start, cache.stream_start)
+        for i, layer in enumerate(layers):
             layer.keys = self.keys[i, :, :, :count].clone()
             layer.values = self.values[i, :, :, :count].clone()
             layer.entry_pos = self.entry[i, :, :count].clone()
@@ -413,9 +446,11 @@ def _plain_and_in_range(engine, cache: KVCache, end: int) -> bool:
     layers, and positions up to ``end`` (excluded) within the model's."""
     if cache.kv_quant is not None or not engine.architecture.plain_softmax:
         return False
-    if not all(type(layer) is CompressedLayer and layer.is_initialized and isinstance(layer.keys, torch.Tensor)
-               for layer in cache.layers):
-        return False  # a window layer drops tokens as it writes; a layer of its own layout attends its own way
+    if not all(type(layer) in (CompressedLayer, WindowLayer) and layer.is_initialized
+               and isinstance(layer.keys, torch.Tensor) for layer in cache.layers):
+        return False  # a layer of its own layout (PoD) attends its own way
+    if any(layer.window is not None and layer.get_seq_length() != layer.window - 1 for layer in cache.layers):
+        return False  # a window layer writes in a ring of its window, which must be full
     limits = [limit for limit in (engine.architecture.rope_limit, engine.trained_context) if limit]
     return all(end <= limit for limit in limits)  # past them the eager steps refuse or warn, at the step that does
 
@@ -425,33 +460,43 @@ def static_steps_apply(engine, cache: KVCache, room: int) -> bool:
     return not engine.evicts_while_writing() and _plain_and_in_range(engine, cache, cache.next_position() + room)
 
 
+def _budgeted(engine, cache: KVCache) -> list[tuple[CompressedLayer, int]]:
+    """The layers the budget governs (no attention window), each with its budget."""
+    return [(layer, budget) for layer, budget in zip(cache.layers, engine.budgets, strict=True) if budget is not None]
+
+
 def ring_steps_apply(engine, cache: KVCache, room: int) -> bool:
     """Whether :class:`RingLayer` steps can: a method that evicts the oldest token after its sinks while writing,
-    every layer full at its budget (so that each step evicts exactly one), positions compacted."""
+    every budgeted layer full at its budget (so that each step evicts exactly one; a window layer full at its
+    window), positions compacted."""
     method = engine.method
     if not (method.evicts_oldest_while_writing and _plain_and_in_range(engine, cache, cache.next_position() + room)):
-        return False  # every layer plain: none has a window, so the budget governs them all
+        return False
     if cache.keep_positions or cache.heads_apart:
         return False
-    return (cache.lengths() == engine.budgets and all(budget > method.sinks for budget in engine.budgets)
-            and cache.next_position() == engine.budgets[0])
+    budgeted = _budgeted(engine, cache)
+    return (bool(budgeted) and all(layer.get_seq_length() == budget > method.sinks for layer, budget in budgeted)
+            and cache.next_position() == max(budget for _, budget in budgeted))  # the sinks at positions 0 ...
 
 
 def evicting_steps_apply(engine, cache: KVCache) -> bool:
     """Whether :class:`EvictingCache` steps can write (any number of tokens: the query never moves): a method
-    with a step eviction (:meth:`kvcli.methods.base.Method.step_eviction`), every layer alike (shapes, RoPE
-    frequencies) and full at one budget (so that each step evicts exactly one) with the state that eviction
-    reads, positions re-assigned."""
+    with a step eviction (:meth:`kvcli.methods.base.Method.step_eviction`), every budgeted layer alike (shapes,
+    RoPE frequencies) and full at one budget (so that each step evicts exactly one) with the state that
+    eviction reads, a window layer full at its window, positions re-assigned."""
     if not (engine.evicts_while_writing() and not cache.keep_positions
             and _plain_and_in_range(engine, cache, cache.next_position() + 1)):
         return False
-    budget = engine.budgets[0]
-    if cache.lengths() != engine.budgets or any(other != budget for other in engine.budgets):
+    budgeted = _budgeted(engine, cache)
+    if not budgeted:
         return False
-    layers = cache.layers
+    layers = [layer for layer, _ in budgeted]
+    budget = budgeted[0][1]
+    if any(layer.get_seq_length() != budget or other != budget for layer, other in budgeted):
+        return False
     if len({(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in layers}) != 1:
         return False
-    if len(set(cache.freq_group)) != 1:
+    if len({cache.freq_group[layer.layer_idx] for layer in layers}) != 1:
         return False  # the layers' keys rotate as one batch, with one set of RoPE frequencies
     heads = layers[0].values.shape[1]
     eviction = engine.method.step_eviction(budget, [layer.method_state for layer in layers], heads, engine.device)
@@ -506,6 +551,8 @@ class StaticSteps:
             self.ids = torch.zeros((1, 1), dtype=torch.long, device=engine.device)
             self.position = torch.tensor([[self.start]], device=engine.device)
             self.token = torch.tensor([[cache.stream_start]], device=engine.device)
+            # start + t: the position itself where it moves on, else a ring's own (RingLayer)
+            self.clock = self.position if layout.query_moves else self.position.clone()
             self.answer = layout.build(self)
         self.use_graph = graph_capturable(engine.model) if graph is None else graph
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -519,15 +566,15 @@ class StaticSteps:
                                 use_cache=True, kvcli_cache=self.answer).last_hidden_state
         logits = engine.head(hidden[0, -1:])[0]
         self.answer.advance()
-        if self.layout.query_moves:
-            self.position.add_(1)
+        self.clock.add_(1)  # the position, where it moves on
         self.token.add_(1)
         return logits
 
     def rehearse(self, steps: int) -> None:
         """Run ``steps`` steps and undo everything they wrote (slots, position, token index, and what a ring or
         an eviction overwrote): the warm-up before a capture (kernel choices, workspaces)."""
-        written = self.answer.written() + [self.position, self.token]
+        written = self.answer.written() + [self.position, self.token] + ([] if self.clock is self.position
+                                                                         else [self.clock])
         saved = [tensor.clone() for tensor in written]
         for _ in range(steps):
             self.step()

@@ -256,3 +256,36 @@ def test_a_scored_step_evicts_what_select_top_leaves_out():
         left_out = [sorted(set(range(12)) - set(row.tolist())) for row in kept]
         expected = torch.tensor(left_out).repeat_interleave(6 // scores.shape[0], dim=0)
         assert torch.equal(gone, expected)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2", "mistral"])
+@pytest.mark.parametrize(("name", "one_shot"), [("snapkv", False), ("snapkv", True), ("streamingllm", False),
+                                                ("treekv", False), ("h2o", False), ("full", False)])
+def test_window_layers_write_in_a_ring_of_their_window(family, name, one_shot):
+    """Gemma 3 (two window layers of three, their own RoPE base), Qwen 2 (window layers above the first) and
+    Mistral (every layer windowed): each window layer writes in a ring of its window beside the method's layout,
+    with the tokens, logits and cache the engine's steps give."""
+    from tests.test_families import WINDOW, build
+
+    model = build(family)
+    results = []
+    for static in (False, True):
+        engine = Engine(model, make_method(name), 40, block=8)
+        cache = engine.new_cache()
+        ids = ids_of(96, 7)
+        if one_shot:
+            cache.keep_positions = engine.method.keeps_positions
+            hidden = engine.forward(cache, ids, last_only=True, question=6)
+        else:
+            for start in range(0, ids.shape[1], 8):
+                hidden = engine.forward(cache, ids[:, start:start + 8], last_only=True)
+        assert WINDOW - 1 in cache.lengths()
+        steps = answer_steps(engine, cache, STEPS, static=static)
+        assert isinstance(steps, StaticSteps if static else EagerSteps)
+        results.append((*write(steps, int(engine.logits(hidden[-1:])[0].argmax()), STEPS), current(cache)))
+    assert results[1][0] == results[0][0]
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-4)
+    for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(results[0][2], results[1][2], strict=True):
+        assert torch.equal(t0, t1) and torch.equal(p0, p1)
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
