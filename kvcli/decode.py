@@ -161,7 +161,7 @@ class RingLayer(AnswerLayer):
     The sinks sit at positions ``0 ... sinks - 1`` and the step's query at ``start`` in the eager step's
     re-assigned positions; here the ring's ``clock`` runs on at ``start + t`` (the ring's keys keep the
     positions they were rotated at), so the sinks are scored with the query turned back by ``t``. Where the
-    model's position stays at ``start`` (:attr:`AnswerCache.query_moves` False), the step's key and query
+    model's position stays at ``start`` (:meth:`AnswerCache.query_moves` False), the step's key and query
     are turned forward to the clock.
     """
 
@@ -247,9 +247,11 @@ class AnswerCache(Cache):
     and the attributes :func:`kvcli.attention.kvcli_attention` reads, none of which asks for scores."""
 
     layer_type: type[AnswerLayer] = AnswerLayer
-    #: The step's query moves on one position per token (else it stays at the read's next position, where
-    #: the eager steps place every token of an answer that evicts as it goes).
-    query_moves = True
+    @staticmethod
+    def query_moves(cache: KVCache) -> bool:
+        """Whether the step's query moves on one position per token (else it stays at the read's next position,
+        where the eager steps place every token of an answer that evicts as it goes)."""
+        return True
 
     @classmethod
     def build(cls, steps: StaticSteps) -> AnswerCache:
@@ -333,7 +335,10 @@ class EvictingCache(AnswerCache):
     """
 
     layer_type = EvictingLayer
-    query_moves = False
+
+    @staticmethod
+    def query_moves(cache: KVCache) -> bool:
+        return cache.keep_positions  # every token at its index in the stream: nothing is re-assigned
 
     @classmethod
     def build(cls, steps: StaticSteps) -> EvictingCache:
@@ -363,10 +368,12 @@ class EvictingCache(AnswerCache):
                 state.view(size, heads, slots)[i, :, :count] = layer.state[name]
         self.inv_freq = first.inv_freq  # every layer's (evicting_steps_apply)
         self.heads_apart = cache.heads_apart
-        self.position = steps.position  # the step's position [1, 1], fixed
+        self.keep_positions = cache.keep_positions  # the keys sit where they entered: none is ever rotated
+        self.position = steps.position  # the step's position [1, 1], fixed unless positions are kept
         self.token = steps.token  # the step's token index in the stream [1, 1], shared with the steps
         self.slots = torch.arange(slots, device=engine.device)
-        self.current = torch.empty_like(self.keys)  # the keys rotated to where they sit at the coming step
+        # The keys rotated to where they sit at the coming step.
+        self.current = self.keys if self.keep_positions else torch.empty_like(self.keys)
         group = engine.model.config.num_attention_heads // heads
         self.probs = torch.zeros((size, heads, group, slots), dtype=torch.float32, device=engine.device)
         self.chunk = size if engine.device.type == "cuda" else 1
@@ -379,6 +386,8 @@ class EvictingCache(AnswerCache):
     def place(self, first: int = 0, last: int | None = None) -> None:
         """Rotate the cached keys of layers ``first ... last - 1`` to their positions at the coming step (the
         last slot is the step's own)."""
+        if self.keep_positions:
+            return
         layers = slice(first, last)
         entry = self.entry[layers]
         size, heads, slots = entry.shape
@@ -479,13 +488,13 @@ def ring_steps_apply(engine, cache: KVCache, room: int) -> bool:
             and cache.next_position() == max(budget for _, budget in budgeted))  # the sinks at positions 0 ...
 
 
-def evicting_steps_apply(engine, cache: KVCache) -> bool:
-    """Whether :class:`EvictingCache` steps can write (any number of tokens: the query never moves): a method
-    with a step eviction (:meth:`kvcli.methods.base.Method.step_eviction`), every budgeted layer alike (shapes,
-    RoPE frequencies) and full at one budget (so that each step evicts exactly one) with the state that
-    eviction reads, a window layer full at its window, positions re-assigned."""
-    if not (engine.evicts_while_writing() and not cache.keep_positions
-            and _plain_and_in_range(engine, cache, cache.next_position() + 1)):
+def evicting_steps_apply(engine, cache: KVCache, room: int) -> bool:
+    """Whether :class:`EvictingCache` steps can write ``room`` tokens: a method with a step eviction
+    (:meth:`kvcli.methods.base.Method.step_eviction`), every budgeted layer alike (shapes, RoPE frequencies)
+    and full at one budget (so that each step evicts exactly one) with the state that eviction reads, a window
+    layer full at its window; positions re-assigned (the query never moves) or kept."""
+    end = cache.next_position() + (room if cache.keep_positions else 1)
+    if not (engine.evicts_while_writing() and _plain_and_in_range(engine, cache, end)):
         return False
     budgeted = _budgeted(engine, cache)
     if not budgeted:
@@ -552,7 +561,7 @@ class StaticSteps:
             self.position = torch.tensor([[self.start]], device=engine.device)
             self.token = torch.tensor([[cache.stream_start]], device=engine.device)
             # start + t: the position itself where it moves on, else a ring's own (RingLayer)
-            self.clock = self.position if layout.query_moves else self.position.clone()
+            self.clock = self.position if layout.query_moves(cache) else self.position.clone()
             self.answer = layout.build(self)
         self.use_graph = graph_capturable(engine.model) if graph is None else graph
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -620,8 +629,9 @@ class StaticSteps:
         steps = self.steps
         self.answer.give_back(self.cache, steps, self.start)
         self.cache.stream_start += steps
-        if steps:  # the last step's position in the eager steps: one that evicts keeps its query at the start
-            self.cache.block_start = self.start if self.engine.evicts_while_writing() else self.start + steps - 1
+        if steps:  # the last step's position in the eager steps: re-assigned, one that evicts stays at the start
+            moved = self.cache.keep_positions or not self.engine.evicts_while_writing()
+            self.cache.block_start = self.start + steps - 1 if moved else self.start
         self.graph = self.logits = None
         self.answer = None
         self.steps = 0
@@ -641,6 +651,6 @@ def answer_steps(engine, cache: KVCache, room: int, static: bool = True) -> Eage
             return StaticSteps(engine, cache, room)
         if ring_steps_apply(engine, cache, room):
             return StaticSteps(engine, cache, room, layout=RingCache)
-        if evicting_steps_apply(engine, cache):
+        if evicting_steps_apply(engine, cache, room):
             return StaticSteps(engine, cache, room, layout=EvictingCache)
     return EagerSteps(engine, cache)

@@ -74,6 +74,7 @@ def current(cache) -> list[tuple]:
     ("treekv", False, 40, STEPS), ("treekv", True, 40, STEPS),
     ("treekv", False, 12, 20),  # 4 sinks, 4 recent, 4 in the tree region: the sweep wraps five times
     ("h2o", False, 40, STEPS), ("h2o", False, 12, 20), ("tova", False, 40, STEPS), ("tova", False, 12, 20),
+    ("h2o", True, 40, STEPS), ("tova", True, 12, 20),  # a one-shot read keeps positions: the query moves on
 ])
 def test_static_steps_write_what_the_engine_writes(model, name, one_shot, budget, count):
     engine, cache, token = read(model, name, one_shot, budget=budget)
@@ -260,7 +261,8 @@ def test_a_scored_step_evicts_what_select_top_leaves_out():
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2", "mistral"])
 @pytest.mark.parametrize(("name", "one_shot"), [("snapkv", False), ("snapkv", True), ("streamingllm", False),
-                                                ("treekv", False), ("h2o", False), ("full", False)])
+                                                ("treekv", False), ("treekv", True), ("h2o", False), ("h2o", True),
+                                                ("full", False)])
 def test_window_layers_write_in_a_ring_of_their_window(family, name, one_shot):
     """Gemma 3 (two window layers of three, their own RoPE base), Qwen 2 (window layers above the first) and
     Mistral (every layer windowed): each window layer writes in a ring of its window beside the method's layout,

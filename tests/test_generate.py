@@ -165,10 +165,9 @@ def test_cache_never_exceeds_the_budget_while_reading_and_writing(model, name, o
         assert not decode_calls
         assert gen.max_cache_tokens == max(read_end) + 29
         return
-    stepped = method.step_eviction(48, [{}], 1, engine.device) is not None and not (one_shot and method.keeps_positions)
-    if method.evicts_oldest_while_writing or stepped:
+    if method.evicts_oldest_while_writing or method.step_eviction(48, [{}], 1, engine.device) is not None:
         # StreamingLLM writes in a ring of its window; TreeKV, H2O and TOVA evict a token a step in fixed buffers
-        # when positions are re-assigned (kvcli.decode): never more than the budget.
+        # (kvcli.decode): never more than the budget.
         assert not decode_calls
         assert gen.max_cache_tokens == max(engine.budgets) == max(read_end)
         return
