@@ -28,8 +28,11 @@ then stacked with one slot for the step's (:class:`EvictingCache`); after each s
 all layers drops a token per KV head, closes the gap, and rotates the keys to where they sit at the next
 step, so the cache stays what the engine's step leaves.
 
-Where no static step can stand in (a method whose decoding rule has no fixed-shape form, a quantized
-cache, a layer with its own layout or an attention window, positions that would pass the trained
+A layer with an attention window (Gemma 3, Qwen 2, Mistral) drops its oldest token every step whatever the
+method: in every layout it writes in a ring of its window (:class:`RingLayer` without sinks).
+
+Where no static step can stand in (a method whose decoding rule has no fixed-shape form, attention that is
+not a plain softmax, a quantized cache, a layer with its own layout, positions that would pass the trained
 context), :func:`answer_steps` returns the eager one.
 """
 
