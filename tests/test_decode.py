@@ -192,6 +192,27 @@ def test_the_captured_step_writes_what_the_uncaptured_one_writes(name):
     torch.testing.assert_close(results[1][1], results[0][1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("family", "name", "one_shot"), [("gemma3", "treekv", False), ("gemma3", "snapkv", False),
+                                                          ("gemma3", "streamingllm", False), ("llama3", "h2o", True)])
+def test_the_captured_step_with_window_rings_and_kept_positions(family, name, one_shot):
+    """Window layers' rings (their clock turned to in the stacked layout) and a one-shot read's moving query,
+    captured as a CUDA graph, against the same steps launched one kernel at a time."""
+    from tests.test_families import build
+
+    model = build(family).cuda()
+    results = []
+    for graph in (False, True):
+        engine, cache, token = read(model, name, one_shot=one_shot)
+        chosen = answer_steps(engine, cache, STEPS)
+        assert isinstance(chosen, StaticSteps)
+        chosen.finish()  # nothing written: the cache is whole again
+        steps = StaticSteps(engine, cache, STEPS, graph=graph, layout=LAYOUTS.get(name, AnswerCache))
+        results.append(write(steps, token, STEPS))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[1][1], results[0][1])
+
+
 def test_a_ring_only_when_every_layer_is_full(model):
     """StreamingLLM's ring needs each step to evict exactly one token: a read shorter than the budget writes
     with the engine's steps."""
