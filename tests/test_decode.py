@@ -32,20 +32,21 @@ def ids_of(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def read(model, name: str, one_shot: bool, kv_bits: int = 16, budget: int = 40, trained_context: int | None = None):
+def read(model, name: str, one_shot: bool, kv_bits: int = 16, budget: int = 40, trained_context: int | None = None,
+         block: int = 16, length: int = 90):
     """An engine and the cache of a read as ``kvcli ask`` does it (one shot, or streamed in blocks); a short
     ``trained_context`` makes a per-head method compact each head's positions (no ``heads_apart``)."""
-    engine = Engine(model, make_method(name), budget, block=16, kv_bits=kv_bits)
+    engine = Engine(model, make_method(name), budget, block=block, kv_bits=kv_bits)
     if trained_context is not None:
         engine.trained_context = trained_context
     cache = engine.new_cache()
-    ids = ids_of(90, 7)
+    ids = ids_of(length, 7)
     if one_shot:
         cache.keep_positions = engine.method.keeps_positions
         hidden = engine.forward(cache, ids, last_only=True, question=6)
     else:
-        for start in range(0, ids.shape[1], 16):
-            hidden = engine.forward(cache, ids[:, start:start + 16], last_only=True)
+        for start in range(0, ids.shape[1], block):
+            hidden = engine.forward(cache, ids[:, start:start + block], last_only=True)
     return engine, cache, int(engine.logits(hidden[-1:])[0].argmax())
 
 
@@ -64,6 +65,14 @@ def current(cache) -> list[tuple]:
     start = cache.next_position()
     return [(layer.current_keys(start), layer.values, layer.current_positions(start), layer.token_idx)
             for layer in cache.layers]
+
+
+def assert_same_cache(expected: list[tuple], got: list[tuple]) -> None:
+    """Two :func:`current` views hold the same tokens at the same positions, keys and values alike."""
+    for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(expected, got, strict=True):
+        assert torch.equal(t0, t1) and torch.equal(p0, p1)
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("name", "one_shot", "budget", "count"), [
@@ -88,28 +97,32 @@ def test_static_steps_write_what_the_engine_writes(model, name, one_shot, budget
     torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
     # The cache after the answer: the same tokens at the same positions, keys as attention reads them.
     assert cache.lengths() == [len(layer[3][0]) for layer in eager_cache]
-    for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(eager_cache, current(cache), strict=True):
-        assert torch.equal(t0, t1) and torch.equal(p0, p1)
-        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    assert_same_cache(eager_cache, current(cache))
     assert steps.max_tokens == max(cache.lengths())
 
 
-def test_evicting_steps_with_each_heads_positions_compacted(model):
-    """When a layer's heads do not share one order of positions, each head's tokens sit at consecutive positions."""
+def assert_static_writes_as_eager(reading) -> None:
+    """Two reads by ``reading()`` (engine, cache, first token): the engine's steps after one and the static steps
+    :func:`answer_steps` picks after the other write the same tokens and logits and leave the same cache."""
     results = []
     for static in (False, True):
-        engine, cache, token = read(model, "treekv", one_shot=False, trained_context=100)
-        assert not cache.heads_apart
+        engine, cache, token = reading()
         steps = answer_steps(engine, cache, STEPS, static=static)
         assert isinstance(steps, StaticSteps if static else EagerSteps)
         results.append((*write(steps, token, STEPS), current(cache)))
     assert results[1][0] == results[0][0]
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-4)
-    for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(results[0][2], results[1][2], strict=True):
-        assert torch.equal(t0, t1) and torch.equal(p0, p1)
-        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    assert_same_cache(results[0][2], results[1][2])
+
+
+def test_evicting_steps_with_each_heads_positions_compacted(model):
+    """When a layer's heads do not share one order of positions, each head's tokens sit at consecutive positions."""
+    def reading():
+        engine, cache, token = read(model, "treekv", one_shot=False, trained_context=100)
+        assert not cache.heads_apart
+        return engine, cache, token
+
+    assert_static_writes_as_eager(reading)
 
 
 @pytest.mark.parametrize("name", ["snapkv", "treekv", "h2o"])
@@ -123,10 +136,7 @@ def test_static_steps_continue_where_the_reading_can_go_on(model, name):
         hidden = engine.forward(cache, ids_of(16, 9), last_only=True)
         outs.append((engine.logits(hidden[-1:])[0], current(cache), cache.lengths(), cache.stream_start))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-4)
-    for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(outs[0][1], outs[1][1], strict=True):  # what the read kept
-        assert torch.equal(t0, t1) and torch.equal(p0, p1)
-        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    assert_same_cache(outs[0][1], outs[1][1])  # what the read kept
     assert outs[1][2:] == outs[0][2:]
 
 
@@ -291,24 +301,10 @@ def test_window_layers_write_in_a_ring_of_their_window(family, name, one_shot):
     from tests.test_families import WINDOW, build
 
     model = build(family)
-    results = []
-    for static in (False, True):
-        engine = Engine(model, make_method(name), 40, block=8)
-        cache = engine.new_cache()
-        ids = ids_of(96, 7)
-        if one_shot:
-            cache.keep_positions = engine.method.keeps_positions
-            hidden = engine.forward(cache, ids, last_only=True, question=6)
-        else:
-            for start in range(0, ids.shape[1], 8):
-                hidden = engine.forward(cache, ids[:, start:start + 8], last_only=True)
+
+    def reading():
+        engine, cache, token = read(model, name, one_shot, block=8, length=96)
         assert WINDOW - 1 in cache.lengths()
-        steps = answer_steps(engine, cache, STEPS, static=static)
-        assert isinstance(steps, StaticSteps if static else EagerSteps)
-        results.append((*write(steps, int(engine.logits(hidden[-1:])[0].argmax()), STEPS), current(cache)))
-    assert results[1][0] == results[0][0]
-    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-4)
-    for (k0, v0, p0, t0), (k1, v1, p1, t1) in zip(results[0][2], results[1][2], strict=True):
-        assert torch.equal(t0, t1) and torch.equal(p0, p1)
-        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+        return engine, cache, token
+
+    assert_static_writes_as_eager(reading)
