@@ -46,8 +46,8 @@ def bench_speed(
                                                     "1024 on a CPU).")] = None,
     decode: Annotated[int, typer.Option("--decode", help="Also time this many greedy one-token steps against the "
                                         "full cache (plain, then each method): the speed of writing an answer, with "
-                                        "the step `ask` writes with (static and, on a GPU, a CUDA graph for "
-                                        "streamingllm, snapkv and pyramidkv). 0: none.")] = 0,
+                                        "the step `ask` writes with (static and, on a GPU, a CUDA graph for every "
+                                        "method but pyramidinfer and pod). 0: none.")] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights and tokens.")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
     quiet: QuietOpt = False,
