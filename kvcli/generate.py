@@ -14,9 +14,10 @@ The pipeline behind ``kvcli summarize`` and ``kvcli ask`` (and the pass-key grid
   layer below kept (a block with a probe is not nested: the probe scores after the whole block).
 * **write**: tokens are generated one at a time; each is run through :meth:`Engine.forward` alone,
   which compresses with one new token (the method's decoding rule), so the cache stays within the
-  per-layer budget at every step of generation too. A method that evicts nothing while writing, or only
-  the oldest token of a window (StreamingLLM), writes with a static step instead, on fixed buffers,
-  replayed as a CUDA graph on a GPU (:mod:`kvcli.decode`).
+  per-layer budget at every step of generation too. Where the method's decoding rule has a fixed-shape
+  form (it evicts nothing while writing, the oldest token of a window, or one token by its scores), the
+  answer is written with a static step instead, on fixed buffers, replayed as a CUDA graph on a GPU
+  (:mod:`kvcli.decode`).
 
 Nothing here knows about the CLI: text arrives as chunks of token ids, generated text leaves through
 a callback.
