@@ -314,8 +314,7 @@ class LowestStep:
     def victim(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         scores = self.method.step_scores(probs, state)
         length = scores.shape[-1]
-        ranked = (scores if scores.dtype == torch.float32 else scores.float()).masked_fill(
-            recent_and_sinks(length, self.sinks, self.recent, scores.device), float("inf"))
+        ranked = rank_scores(scores, recent_and_sinks(length, self.sinks, self.recent, scores.device))
         gone = length - 1 - ranked.flip(-1).argmin(dim=-1, keepdim=True)  # argmin gives the first of equal ones
         rows = probs.shape[0] * probs.shape[1]
         return gone if gone.shape[0] == rows else gone.repeat_interleave(rows // gone.shape[0], dim=0)
@@ -396,6 +395,12 @@ def _places(length: int, device: torch.device) -> torch.Tensor:
     return torch.arange(length, device=device)
 
 
+def rank_scores(scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+    """``scores`` in fp32 with the ``protected`` tokens at +inf: what every selection ranks (a kept token is never
+    outranked; fp32, so that bf16 rounding never makes two scores tie)."""
+    return (scores if scores.dtype == torch.float32 else scores.float()).masked_fill(protected, float("inf"))
+
+
 def select_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> torch.Tensor:
     """Per head, the protected tokens plus the best-scoring others: ascending indices ``[H, budget]``.
 
@@ -406,7 +411,7 @@ def select_top(scores: torch.Tensor, protected: torch.Tensor, budget: int) -> to
     heads, length = scores.shape
     if budget >= length:
         return torch.arange(length, device=scores.device).expand(heads, length)
-    ranked = (scores if scores.dtype == torch.float32 else scores.float()).masked_fill(protected, float("inf"))
+    ranked = rank_scores(scores, protected)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :budget]
     return order.sort(dim=-1).values
 
@@ -440,7 +445,7 @@ def select_top_uneven(scores: torch.Tensor, spans: tuple[tuple[int, int, int], .
     ascending, in its first ``counts[l]`` columns (exactly what :func:`select_top` gives the layer alone:
     the padding ranks last, and a stable sort keeps ties in order)."""
     protected, beyond = _uneven_masks(spans, counts, rows, scores.shape[1], torch.device(device))
-    ranked = (scores if scores.dtype == torch.float32 else scores.float()).masked_fill(protected, float("inf"))
+    ranked = rank_scores(scores, protected)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, : max(counts)]
     return order.masked_fill(beyond, scores.shape[1]).sort(dim=-1).values
 
