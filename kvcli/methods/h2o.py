@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcli.lazy import torch
-from kvcli.methods.base import AUTO_RECENT_HELP, ScoredMethod, layer_rows, param, per_token_rows, set_per_token_rows
+from kvcli.methods.base import (
+    AUTO_RECENT_HELP,
+    ScoredMethod,
+    group_mean,
+    layer_rows,
+    param,
+    per_token_rows,
+    set_per_token_rows,
+)
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
@@ -37,7 +45,7 @@ class H2O(ScoredMethod):
         return block_len  # every query of the block adds to the accumulated scores
 
     def step_scores(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        return state[STATE].add_(probs.flatten(0, 1).mean(dim=1))  # the GQA group averaged, as observe_layers
+        return state[STATE].add_(group_mean(probs.flatten(0, 1)))  # as observe_layers
 
     def observe_layers(self, views: list[LayerView]) -> None:
         if views[0].record is not None:

@@ -31,6 +31,7 @@ from kvcli.methods.base import (
     Method,
     Split,
     check_budget,
+    group_mean,
     layer_rows,
     param,
     per_token_rows,
@@ -111,7 +112,7 @@ class PairStep:
     names = (SCORE, COUNT)  # the per-token state a step reads and updates
 
     def victim(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        scores = state[SCORE].add_(probs.flatten(0, 1).mean(dim=1))  # the GQA group averaged, as _accumulate
+        scores = state[SCORE].add_(group_mean(probs.flatten(0, 1)))  # as _accumulate
         counts = state[COUNT].add_(1.0)
         gone = pair_victim(scores, counts, (self.idx + self.sinks).repeat_interleave(self.heads, dim=0))
         self.idx.add_(1).remainder_(self.selected)
