@@ -298,9 +298,11 @@ class EvictingLayer(AnswerLayer):
     every slot, the keys as the cache rotated them for this step, and keeps its query's attention (as a record
     would); the cache evicts after the whole step."""
 
-    def __init__(self, stack: EvictingCache, index: int, layer_idx: int):
+    def __init__(self, stack: EvictingCache, index: int, layer: CompressedLayer):
         CacheLayerMixin.__init__(self)
-        self.layer_idx = layer_idx
+        self.stack, self.index = stack, index  # this layer's place in the stacked tensors
+        self.layer_idx = layer.layer_idx
+        self.moved = layer.moved
         self.keys, self.values = stack.keys[index], stack.values[index]  # [1, H, T + 1, D]
         self.current = stack.current[index]
         self.probs = stack.probs[index]  # [H, group, T + 1]
@@ -323,6 +325,22 @@ class EvictingLayer(AnswerLayer):
         out = torch.matmul(probs.to(value.dtype), self.values).view(query.shape[:3] + value.shape[-1:])
         self.probs.copy_(probs.view(self.probs.shape))
         return out, None
+
+    def advance(self) -> None:
+        """Nothing: :meth:`EvictingCache.advance` moves every stacked layer at once."""
+
+    def written(self) -> list[torch.Tensor]:
+        return []  # the stacked tensors are the cache's (EvictingCache.written)
+
+    def give_back(self, layer: CompressedLayer, steps: int, start: int, stream_start: int) -> None:
+        """``layer`` holds the budget's tokens the steps left, in stream order, with the method's state."""
+        stack, i, count = self.stack, self.index, self.length
+        layer.keys = self.keys[:, :, :count].clone()
+        layer.values = self.values[:, :, :count].clone()
+        layer.entry_pos = stack.entry[i, :, :count].clone()
+        layer.token_idx = stack.tokens[i, :, :count].clone()
+        layer.state = {name: rows[:, :count].clone() for name, rows in stack.state_of(i).items()}
+        layer.moved = self.moved or steps > 0
 
 
 class EvictingCache(AnswerCache):
@@ -360,15 +378,14 @@ class EvictingCache(AnswerCache):
         self.entry = first.entry_pos.new_zeros((size, heads, slots))  # where each key was rotated
         self.tokens = first.token_idx.new_zeros((size, heads, slots))
         self.state = {name: first.state[name].new_zeros((size * heads, slots)) for name in self.eviction.names}
-        self.moved = [layer.moved for layer in layers]
         for i, layer in enumerate(layers):  # moved in one layer at a time: memory stays near one cache
             self.keys[i, :, :, :count] = layer.keys
             self.values[i, :, :, :count] = layer.values
             layer.keys = layer.values = None
             self.entry[i, :, :count] = layer.entry_pos
             self.tokens[i, :, :count] = layer.token_idx
-            for name, state in self.state.items():
-                state.view(size, heads, slots)[i, :, :count] = layer.state[name]
+            for name, rows in self.state_of(i).items():
+                rows[:, :count] = layer.state[name]
         self.inv_freq = first.inv_freq  # every layer's (evicting_steps_apply)
         self.heads_apart = cache.heads_apart
         self.keep_positions = cache.keep_positions  # the keys sit where they entered: none is ever rotated
@@ -381,10 +398,15 @@ class EvictingCache(AnswerCache):
         self.probs = torch.zeros((size, heads, group, slots), dtype=torch.float32, device=engine.device)
         self.chunk = size if engine.device.type == "cuda" else 1
         self.place()
-        stacked = iter(range(size))
-        super().__init__([EvictingLayer(self, next(stacked), layer.layer_idx) if layer.window is None
-                          else RingLayer.of(layer, steps) for layer in cache.layers])
+        stacked = {layer.layer_idx: EvictingLayer(self, i, layer) for i, layer in enumerate(layers)}
+        super().__init__([stacked[layer.layer_idx] if layer.window is None else RingLayer.of(layer, steps)
+                          for layer in cache.layers])
         self.rings = [layer for layer in self.layers if isinstance(layer, RingLayer)]
+
+    def state_of(self, index: int) -> dict[str, torch.Tensor]:
+        """The method's per-token state of stacked layer ``index``, as views ``[H, T + 1]``."""
+        size, heads, slots = self.entry.shape
+        return {name: rows.view(size, heads, slots)[index] for name, rows in self.state.items()}
 
     def place(self, first: int = 0, last: int | None = None) -> None:
         """Rotate the cached keys of layers ``first ... last - 1`` to their positions at the coming step (the
@@ -435,22 +457,8 @@ class EvictingCache(AnswerCache):
         self.place()
 
     def give_back(self, cache: KVCache, steps: int, start: int) -> None:
-        """``cache``'s layers hold the budget's tokens the steps left, in stream order, with the method's state."""
-        size, heads, slots = self.entry.shape
-        count = slots - 1
-        layers = [layer for layer in cache.layers if layer.window is None]
-        self.eviction.save([layer.method_state for layer in layers])
-        windowed = [layer for layer in cache.layers if layer.window is not None]
-        for ring, layer in zip(self.rings, windowed, strict=True):
-            ring.give_back(layer, steps, start, cache.stream_start)
-        for i, layer in enumerate(layers):
-            layer.keys = self.keys[i, :, :, :count].clone()
-            layer.values = self.values[i, :, :, :count].clone()
-            layer.entry_pos = self.entry[i, :, :count].clone()
-            layer.token_idx = self.tokens[i, :, :count].clone()
-            layer.state = {name: state.view(size, heads, slots)[i, :, :count].clone()
-                           for name, state in self.state.items()}
-            layer.moved = self.moved[i] or steps > 0
+        self.eviction.save([layer.method_state for layer in cache.layers if layer.window is None])
+        super().give_back(cache, steps, start)
 
 
 def _plain_and_in_range(engine, cache: KVCache, end: int) -> bool:

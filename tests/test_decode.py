@@ -125,6 +125,17 @@ def test_evicting_steps_with_each_heads_positions_compacted(model):
     assert_static_writes_as_eager(reading)
 
 
+def test_evicting_steps_after_a_read_that_just_filled_the_cache(model):
+    """A read of exactly the budget evicted nothing, so no key has moved yet; the first step's eviction moves
+    some, and the cache after says so (its keys are rotated where they sit now)."""
+    def reading():
+        engine, cache, token = read(model, "treekv", one_shot=False, length=48, budget=48)
+        assert cache.lengths() == [48] * 3 and not any(layer.moved for layer in cache.layers)
+        return engine, cache, token
+
+    assert_static_writes_as_eager(reading)
+
+
 @pytest.mark.parametrize("name", ["snapkv", "treekv", "h2o"])
 def test_static_steps_continue_where_the_reading_can_go_on(model, name):
     """After the static steps hand the cache back, another read or answer runs on it as after eager steps
