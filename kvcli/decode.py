@@ -327,7 +327,7 @@ class EvictingLayer(AnswerLayer):
         return out, None
 
     def advance(self) -> None:
-        """Nothing: :meth:`EvictingCache.advance` moves every stacked layer at once."""
+        """Nothing of its own: :meth:`EvictingCache.advance` moves every stacked layer at once."""
 
     def written(self) -> list[torch.Tensor]:
         return []  # the stacked tensors are the cache's (EvictingCache.written)
@@ -401,7 +401,6 @@ class EvictingCache(AnswerCache):
         stacked = {layer.layer_idx: EvictingLayer(self, i, layer) for i, layer in enumerate(layers)}
         super().__init__([stacked[layer.layer_idx] if layer.window is None else RingLayer.of(layer, steps)
                           for layer in cache.layers])
-        self.rings = [layer for layer in self.layers if isinstance(layer, RingLayer)]
 
     def state_of(self, index: int) -> dict[str, torch.Tensor]:
         """The method's per-token state of stacked layer ``index``, as views ``[H, T + 1]``."""
@@ -445,13 +444,12 @@ class EvictingCache(AnswerCache):
                          *(state.view(size, heads, slots)[layers] for state in self.state.values())):
                 rows[:, :, :count] = torch.where(after[layers], rows[:, :, 1:], rows[:, :, :count])
             self.place(first, first + self.chunk)
-        for ring in self.rings:
-            ring.advance()
+        super().advance()  # the window layers' rings
 
     def written(self) -> list[torch.Tensor]:
         """Not the rotated keys, which :meth:`restored` makes again: a rehearsal saves one copy fewer of the cache."""
         return [self.keys, self.values, self.entry, self.tokens, *self.state.values(), *self.eviction.written(),
-                *(tensor for ring in self.rings for tensor in ring.written())]
+                *super().written()]  # and the window layers' rings
 
     def restored(self) -> None:
         self.place()
