@@ -156,7 +156,7 @@ class Engine:
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,
                 compress: bool = True, decoding: bool = False, last_only: bool = False,
-                question: int = 0) -> torch.Tensor:
+                question: int = 0, observe: Callable[[KVCache], None] | None = None) -> torch.Tensor:
         """Run ``ids`` ``[1, n]`` against ``cache``, compress, and return the last hidden states ``[n, d]``.
 
         Hidden states rather than logits: a 49k-token vocabulary makes the logits of a block the
@@ -177,6 +177,9 @@ class Engine:
         next layer processes only the tokens the method passes on (:meth:`Method.compress_nested`,
         :meth:`nests_here`): the returned hidden states are those of the tokens the top layer processed,
         in stream order, the last row still the block's last token.
+
+        ``observe(cache)`` runs after a probe has scored the block and before the compression, while every
+        layer's attention record is alive (the recap of a streamed ``ask``, :mod:`kvcli.recap`).
         """
         n = ids.shape[1]
         compressing = compress and self.compresses() and not (decoding and self.method.keeps_answer)
@@ -196,6 +199,8 @@ class Engine:
             if probe is not None and asks:
                 cache.score_window = probe.shape[1]
                 self._run(cache, probe, store=False)
+                if observe is not None:
+                    observe(cache)
             if compressing:
                 self.compress(cache, n, decoding, skip=done, question=question)
         finally:

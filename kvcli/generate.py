@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcli.cache import KVCache
 from kvcli.decode import answer_steps
 from kvcli.engine import Engine, kv_bytes_per_token
 from kvcli.errors import KvcliError
-from kvcli.prompts import PromptParts
+from kvcli.prompts import PromptParts, encode
+from kvcli.recap import Recap
 
 #: One forward pass over this many tokens is what auto one-shot prefill allows at most on a CPU (the
 #: explicit CPU attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
@@ -44,6 +46,8 @@ ONE_SHOT_CAP = {"cpu": 8192}
 #: Share of a GPU's free memory (after loading the model) that an auto one-shot prefill may fill; the
 #: rest is left to the allocator's fragmentation, the decode steps and other processes on the card.
 ONE_SHOT_MEMORY_SHARE = 0.5
+#: Between the document and its recap: a paragraph break, as between the documents of a folder.
+RECAP_SEPARATOR = "\n\n"
 
 
 class TextStream:
@@ -122,6 +126,7 @@ class Generation:
     read_seconds: float = 0.0
     write_seconds: float = 0.0
     finish_reason: str = "length"  # "eos", "stop", "length" or "interrupted"
+    recap_tokens: int = 0  # document tokens read a second time before the question (kvcli.recap)
 
     @property
     def generated_tokens(self) -> int:
@@ -179,14 +184,17 @@ class Reader:
     """Runs the read phase and the write phase on one engine and one cache."""
 
     def __init__(self, engine: Engine, tokenizer, *, stop_ids: Iterable[int] = (), stop: Iterable[str] = (),
-                 temperature: float = 0.0, seed: int = 0,
+                 temperature: float = 0.0, seed: int = 0, recap: int = 0,
                  on_progress: Callable[[int, int, float], None] | None = None):
+        """``recap``: a streamed read with a question re-reads at most this many document tokens that the
+        question pointed at before the question (:mod:`kvcli.recap`); 0 = none."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
         self.stop = list(stop)
         self.temperature = temperature
         self.seed = seed
+        self.recap = recap
         self.on_progress = on_progress  # (tokens read, current cache tokens, seconds so far)
 
     # --- read -------------------------------------------------------------------------------------
@@ -230,20 +238,33 @@ class Reader:
         block = self.engine.block
         suffix = parts.suffix
         probe_ids = torch.tensor([suffix], dtype=torch.long) if probe and suffix else None
+        recap = Recap(self.recap, first=len(parts.prefix)) if self.recap and probe_ids is not None else None
         pending = buffered
         read = 0
-        for chunk in _chain([pending], rest):
-            if chunk is not pending:
-                pending.extend(chunk)
+
+        def blocks(observe: bool) -> None:
             # Keep at least one token back: the last block goes through with the suffix.
+            nonlocal read
             while len(pending) > block:
-                self._forward(cache, pending[:block], probe_ids, result, last_only=True)
+                ids = pending[:block]
+                seen = (lambda c, ids=ids, start=cache.stream_start: recap.observe(c, ids, start)) if observe else None
+                self._forward(cache, ids, probe_ids, result, last_only=True, observe=seen)
                 read += block
                 del pending[:block]
                 self._progress(read, cache, started)
+
+        for chunk in _chain([pending], rest):
+            if chunk is not pending:
+                pending.extend(chunk)
+            blocks(recap is not None)
+        document = read + len(pending) - len(parts.prefix)
+        if recap is not None and (again := recap.passages()):
+            result.recap_tokens = len(again)
+            pending.extend(encode(self.tokenizer, RECAP_SEPARATOR) + again)
+            blocks(False)
         total = read + len(pending) + len(suffix)
         result.prompt_tokens = total
-        result.document_tokens = total - len(parts.prefix) - len(suffix)
+        result.document_tokens = document
         # The question ends this block: its own queries score the last compression, as the probe scored
         # every compression before it (with --no-probe the block's own window decides).
         hidden = self._forward(cache, pending + suffix, None, result, last_only=True,
@@ -252,14 +273,15 @@ class Reader:
         return hidden
 
     def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,
-                 last_only: bool = False, question: int = 0) -> torch.Tensor:
+                 last_only: bool = False, question: int = 0,
+                 observe: Callable[[KVCache], None] | None = None) -> torch.Tensor:
         """One engine forward; ``last_only``: only the last token's hidden state is used (a read), so a
         nesting method (PyramidInfer) may skip the hidden states of the tokens a layer drops; ``question``:
-        the last tokens of ``ids`` that are the question (:meth:`Engine.forward`)."""
+        the last tokens of ``ids`` that are the question, and ``observe`` (:meth:`Engine.forward`)."""
         if not ids:
             raise KvcliError("the prompt is empty")
         hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe,
-                                     last_only=last_only, question=question)
+                                     last_only=last_only, question=question, observe=observe)
         result.max_cache_tokens = max(result.max_cache_tokens, cache.max_tokens())
         return hidden
 

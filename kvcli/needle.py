@@ -22,6 +22,7 @@ from kvcli.engine import Engine, check_budget
 from kvcli.errors import UsageError
 from kvcli.generate import Reader
 from kvcli.prompts import build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.recap import RECAP_TOKENS
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer with the number only."
@@ -173,11 +174,12 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
              budget: int = 1024, block: int = 256, seed: int = 0, max_new_tokens: int = 12,
              one_shot: bool | None = None, probe: bool = True, options: dict[str, dict] | None = None,
              answer_prefix: str = "", fixed: bool = False, warn: Callable[[str], None] | None = None,
-             on_trial: Callable[[Trial, int, int], None] | None = None, kv_bits: int = 16) -> NeedleResult:
+             on_trial: Callable[[Trial, int, int], None] | None = None, kv_bits: int = 16,
+             recap: int = RECAP_TOKENS) -> NeedleResult:
     """Run the grid on ``model``; ``tokens`` is the book (document ids without special tokens).
 
     Every trial is read and answered as ``kvcli ask DOC QUESTION`` does with these options: the
-    default ``answer_prefix`` is none, as a user types. ``fixed`` hides the same needle sentence and
+    default ``answer_prefix`` is none and ``recap`` ask's, as a user types. ``fixed`` hides the same needle sentence and
     asks the same question with five-digit keys at sentence breaks in every trial (the harness of
     earlier results); by default each trial draws its needle, question and key length. ``options``
     maps a method name to its parameters. ``on_trial(trial, done, total)`` reports progress. Every
@@ -207,14 +209,14 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
                                     "questions": [QUESTION] if fixed else list(QUESTIONS),
                                     "needles": [NEEDLE] if fixed else list(NEEDLES),
                                     "answer_prefix": answer_prefix, "max_new_tokens": max_new_tokens,
-                                    "probe": probe, "params": params, "kv_bits": kv_bits})
+                                    "probe": probe, "params": params, "kv_bits": kv_bits, "recap": recap})
     total = len(lengths) * len(depths) * trials * len(methods)
     done = 0
     for stack in haystacks(tokenizer, tokens, lengths, depths, trials, seed, fixed=fixed):
         parts = build_prompt(tokenizer, question_instruction(stack.question, answer_prefix))
         for name in methods:
             engine = Engine(model, built[name], budget, block=block, warn=warn, kv_bits=kv_bits)
-            reader = Reader(engine, tokenizer, stop_ids=stop_ids)
+            reader = Reader(engine, tokenizer, stop_ids=stop_ids, recap=recap)
             started = time.perf_counter()
             gen = reader.run(parts, [stack.doc], max_new_tokens, one_shot=one_shot, probe=probe)
             answer = gen.text.strip()

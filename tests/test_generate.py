@@ -46,9 +46,9 @@ def spy_forward(engine: Engine) -> list[dict]:
     calls: list[dict] = []
     original = engine.forward
 
-    def forward(cache, ids, probe=None, compress=True, decoding=False, last_only=False, question=0):
+    def forward(cache, ids, probe=None, compress=True, decoding=False, last_only=False, question=0, observe=None):
         hidden = original(cache, ids, probe=probe, compress=compress, decoding=decoding, last_only=last_only,
-                          question=question)
+                          question=question, observe=observe)
         calls.append({"ids": ids[0].tolist(), "probe": None if probe is None else probe[0].tolist(),
                       "lengths": cache.lengths(), "decoding": decoding, "last_only": last_only,
                       "question": question})

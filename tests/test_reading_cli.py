@@ -86,6 +86,18 @@ def test_ask_reads_stdin_and_answers_in_json(invoke, tiny_model_dir):
     assert data["document_tokens"] > 900 and not data["one_shot"]  # longer than the tiny model's context
 
 
+def test_ask_recaps_a_streamed_document_before_the_question_unless_told_not_to(invoke, tiny_model_dir):
+    common = ["ask", "-", "Who is tired?", *tiny(tiny_model_dir), "--method", "snapkv", "--cache", "64", "--block",
+              "32", "--max-new-tokens", "2", "--json"]
+    default = json.loads(invoke(*common, input=TEXT * 2).stdout)
+    off = json.loads(invoke(*common, "--recap", "0", input=TEXT * 2).stdout)
+    assert 0 < default["recap_tokens"] <= 512 and off["recap_tokens"] == 0
+    assert default["document_tokens"] == off["document_tokens"]
+    assert default["prompt_tokens"] > off["prompt_tokens"] + default["recap_tokens"]  # and the separator
+    summary = json.loads(invoke("summarize", "-", *common[3:], input=TEXT * 2).stdout)
+    assert summary["recap_tokens"] == 0  # a summary needs the whole text, not passages
+
+
 def test_one_shot_switch(invoke, tiny_model_dir, tmp_path):
     half = tmp_path / "half.txt"
     half.write_text(TEXT[: len(TEXT) // 2])
@@ -115,6 +127,8 @@ def test_a_closed_stdout_ends_quietly(tiny_model_dir, book):
         (["summarize", "BOOK", "--template", "nosuch"], "unknown --template", 2),
         (["ask", "BOOK", "Why?", "--preset", "nosuch"], "unknown preset", 2),
         (["needle", "BOOK", "--methods", "full,nosuch"], "unknown method", 2),
+        (["ask", "BOOK", "Why?", "--recap", "5"], "--recap must be 0 (off) or at least 17", 2),
+        (["needle", "BOOK", "--recap", "-1"], "--recap must be 0", 2),
         (["ask", "/no/such/book.txt", "Why?", "--method", "streamingllm"], "no such file", 1),
     ],
 )

@@ -22,8 +22,9 @@ from kvcli.cli.options import (
     split_list,
     with_setup,
 )
-from kvcli.cli.reading import AnswerPrefixOpt, MaxNewOpt, OneShotOpt, ProbeOpt, SeedOpt
+from kvcli.cli.reading import AnswerPrefixOpt, MaxNewOpt, OneShotOpt, ProbeOpt, RecapOpt, SeedOpt, check_recap
 from kvcli.errors import UsageError
+from kvcli.recap import RECAP_TOKENS
 
 
 def _depth(item: str) -> float:
@@ -55,6 +56,7 @@ def needle(
     one_shot: OneShotOpt = None,
     probe: ProbeOpt = True,
     answer_prefix: AnswerPrefixOpt = "",
+    recap: RecapOpt = RECAP_TOKENS,
     fixed: Annotated[bool, typer.Option("--fixed", help="One needle sentence, one question and five-digit keys at "
                                         "sentence breaks in every trial (the harness of earlier results); by "
                                         "default each trial draws its needle, wording and key length, and the "
@@ -87,6 +89,7 @@ def needle(
     depth_list = split_list(depths, _depth, "--depths")
     trials = DEFAULT_TRIALS if trials is None else trials  # the library's default, imported only when run
     check_at_least(1, trials=trials, max_new_tokens=max_new_tokens)
+    check_recap(recap)
     block_size = parse_block(block)
     bits = parse_kv_bits(kv_bits)
     check_cache(cache)
@@ -106,7 +109,7 @@ def needle(
     result = run_grid(loaded.model, loaded.tokenizer, tokens, method_list, lengths=length_list, depths=depth_list,
                       trials=trials, budget=cache, block=block_size, seed=seed, max_new_tokens=max_new_tokens,
                       one_shot=one_shot, probe=probe, options=per_method, answer_prefix=answer_prefix, fixed=fixed,
-                      warn=setup.say, on_trial=on_trial, kv_bits=bits)
+                      warn=setup.say, on_trial=on_trial, kv_bits=bits, recap=recap)
     if json_out:
         print_result(dumps({"model": loaded.name, **result.as_dict()}))
     else:

@@ -34,6 +34,7 @@ from kvcli.cli.options import (
     with_setup,
 )
 from kvcli.errors import UsageError
+from kvcli.recap import RECAP_TOKENS
 
 SourceArg = Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text; one by "
                                           "one with --each), or - for stdin.")]
@@ -55,8 +56,20 @@ ProbeOpt = Annotated[bool, typer.Option("--probe/--no-probe", help="Query-aware 
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Extra stop string (repeatable).")]
 EachOpt = Annotated[bool, typer.Option("--each", help="One result per document of a folder, each read with a "
                                        "fresh cache: one JSON line per document on stdout, or to --rows FILE.")]
+RecapOpt = Annotated[int, typer.Option("--recap", help="A document streamed with a question (ask): re-read at "
+                                       "most this many of its tokens that the question pointed at, passage by "
+                                       "passage, before the question (beyond the papers; see docs/reading.md). "
+                                       "0 = off; no effect on one-shot reads or on methods that score nothing.")]
 AnswerPrefixOpt = Annotated[str, typer.Option("--answer-prefix", help="Start the answer with this text (e.g. "
                                               "'The answer is'); the model continues it.")]
+
+
+def check_recap(tokens: int) -> None:
+    """``--recap`` is 0 (off) or room for at least one passage (a peak and its neighbours)."""
+    from kvcli.recap import RADIUS
+
+    if tokens != 0 and tokens < 2 * RADIUS + 1:
+        raise UsageError(f"--recap must be 0 (off) or at least {2 * RADIUS + 1} (one passage), not {tokens}")
 
 
 @dataclass(frozen=True)
@@ -80,15 +93,17 @@ class ReadOptions:
     rows: Path | None = None
     resume: bool = False
     kv_bits: str | int = 16
+    recap: int = 0
 
 
-def with_reading(max_new_tokens: int):
+def with_reading(max_new_tokens: int, recap: int = 0):
     """The options ``summarize`` and ``ask`` share, handed to the command as one :class:`ReadOptions` (``read``)."""
 
     def build(method, cache, block, option, max_new_tokens, answer_prefix, temperature, seed, json_out, preset,
-              one_shot, probe, stop, each, rows, resume, kv_bits) -> ReadOptions:
+              one_shot, probe, stop, each, rows, resume, kv_bits, recap) -> ReadOptions:
         return ReadOptions(method, cache, block, parse_options(option), max_new_tokens, answer_prefix, temperature,
-                           seed, json_out, preset or [], one_shot, probe, stop or [], each, rows, resume, kv_bits)
+                           seed, json_out, preset or [], one_shot, probe, stop or [], each, rows, resume, kv_bits,
+                           recap)
 
     return options_bundle("read", build, [
         keyword("method", MethodOpt, "treekv"), keyword("cache", CacheOpt, 1024), keyword("block", BlockOpt, "auto"),
@@ -97,7 +112,7 @@ def with_reading(max_new_tokens: int):
         keyword("seed", SeedOpt, 0), keyword("json_out", JsonOpt, False), keyword("preset", PresetOpt, None),
         keyword("one_shot", OneShotOpt, None), keyword("probe", ProbeOpt, True), keyword("stop", StopOpt, None),
         keyword("each", EachOpt, False), keyword("rows", RowsOpt, None), keyword("resume", ResumeOpt, False),
-        keyword("kv_bits", KvBitsOpt, "16"),
+        keyword("kv_bits", KvBitsOpt, "16"), keyword("recap", RecapOpt, recap),
     ])
 
 
@@ -137,6 +152,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
 
     setup, read = apply_presets(ctx, read.presets, setup, read)
     check_at_least(1, max_new_tokens=read.max_new_tokens)
+    check_recap(read.recap)
     block_size = parse_block(read.block)
     bits = parse_kv_bits(read.kv_bits)
     if read.temperature < 0:
@@ -161,7 +177,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     engine = setup.build_engine(loaded, method_obj, read.cache, block_size, kv_bits=bits)
     parts = build_prompt(tokenizer, instruction)
     reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
-                    temperature=read.temperature, seed=read.seed)
+                    temperature=read.temperature, seed=read.seed, recap=read.recap)
     if read.each:
         each_document(command, documents, reader, parts, instruction, setup, read, ranks)
         return
@@ -201,6 +217,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
             "cache": engine.budget,
             "block": engine.block,
             "one_shot": gen.one_shot,
+            "recap_tokens": gen.recap_tokens,
             "chat_template": parts.chat,
             "finish_reason": gen.finish_reason,
         }))
@@ -290,7 +307,7 @@ def summarize(
     read_and_write(ctx, "summarize", source, instruction, setup, read)
 
 
-@with_reading(max_new_tokens=128)
+@with_reading(max_new_tokens=128, recap=RECAP_TOKENS)
 @with_setup
 def ask(
     ctx: typer.Context,

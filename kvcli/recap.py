@@ -1,0 +1,130 @@
+"""The recap of a streamed read with a question: the passages the question pointed at, read once more.
+
+Beyond the papers (an ``ask`` reading choice, not a method). While a long document streams past a
+compressed cache, the question's probe attends to every block as it arrives. :class:`Recap` notes, per
+block, the tokens that the question's queries single out in the middle layers, and keeps the best few
+of them with ``radius`` neighbours on each side: token ids, a bounded number, never keys or values.
+After the document the reader streams those passages once more, in stream order, before the
+question. Re-read, they enter every layer and head of the cache with the context of their passage,
+where compression had kept them in a few heads only (docs/results.md: a pass key kept in 10-30 of 90
+layer-heads that the model does not say). Gathering the relevant tokens and recomputing their keys and
+values is the idea of REFORM (Song et al., 2025, "Compress, Gather, and Recompute"); the scores here
+are the method's own probe attention, so a method that scores nothing (StreamingLLM) gets no recap.
+
+The rules, and why:
+
+* A token's score is the largest share of a block that one query head of the middle layers (from a
+  third to five sixths of the depth) pays it, summed over the question's queries. The share is taken
+  over the block's own tokens, so every token is scored once, at first sight, against the same
+  question, and blocks compare; the bottom layers' question attention is spread or goes to frequent
+  words, the top layers' to the answer's format (docs/results.md, where a lost key survives).
+* A peak is the best token within ``radius`` of it, so passages do not repeat one another.
+* The block's last ``radius`` tokens are never peaks: the probe sits right after them, and nearness
+  alone draws its attention there. This also gives every peak its right-hand neighbours within its
+  block; the left-hand ones may come from the block before.
+* Scores, peaks and passages stay on the device until the recap is asked for, so the block loop
+  never waits on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: What ``kvcli ask`` re-reads at most by default: half the default cache of 1,024 (docs/results.md).
+RECAP_TOKENS = 512
+#: Tokens each side of a peak that its passage keeps: a short sentence around a word the question finds.
+RADIUS = 8
+
+
+def scored_layers(num_layers: int) -> range:
+    """The middle layers whose question attention scores the recap: from a third to five sixths of the depth."""
+    return range(num_layers // 3, 5 * num_layers // 6 + 1)
+
+
+class Recap:
+    """At most ``tokens`` token ids of the document that the question pointed at, in stream order.
+
+    Feed every streamed block with :meth:`observe` while its attention records are alive (the engine's
+    ``observe`` hook), then take :meth:`passages`. ``first`` is the first stream index that may be
+    recapped (the document's start: the chat template's prefix is never repeated).
+    """
+
+    def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0):
+        self.width = 2 * radius + 1
+        if radius < 0 or tokens < self.width:
+            raise ValueError(f"a recap holds at least one passage of {self.width} tokens, not {tokens}")
+        self.tokens, self.radius, self.first = tokens, radius, first
+        # Peaks are at least ``radius + 1`` apart, so their passages overlap by at most half: twice the
+        # passages that fit side by side are enough to fill the recap.
+        self.slots = max(1, 2 * tokens // (radius + 1))
+        self.scores: torch.Tensor | None = None  # [slots] best first
+        self.starts: torch.Tensor | None = None  # [slots] stream index of each passage's first token
+        self.ids: torch.Tensor | None = None  # [slots, width] token ids, -1 outside the document
+        self.tail: torch.Tensor | None = None  # the previous block's last ``radius`` ids
+
+    def observe(self, cache, ids: list[int], start: int) -> None:
+        """Score the block ``ids`` (stream indices from ``start``) by the question's attention recorded in
+        ``cache``'s layers, and keep its best passages among those seen so far."""
+        n = len(ids)
+        share = self._block_share(cache, n)
+        device = share.device if share is not None else torch.device("cpu")
+        block = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+        tail, self.tail = self.tail, block[max(n - self.radius, 0):]
+        if share is None:
+            return
+        left = block.new_full((self.radius,), -1)  # the passages' left neighbours from the block before
+        if tail is not None and tail.numel():
+            left[self.radius - tail.numel():] = tail.to(device)
+        ext = torch.cat((left, block))
+        share = torch.cat((share, share.new_full((n - share.numel(),), -1.0)))  # the last radius: no peaks
+        share = share.masked_fill(start + torch.arange(n, device=device) < self.first, -1.0)
+        # Peaks only: a token below the best within ``radius`` of it would repeat most of that one's passage.
+        nearby = torch.nn.functional.max_pool1d(share[None, None], self.width, stride=1, padding=self.radius)[0, 0]
+        share = share.masked_fill(share < nearby, -1.0)
+        top = share.topk(min(self.slots, n))
+        spans = top.indices[:, None] + torch.arange(self.width, device=device)  # into ext: peak - radius ...
+        passage = ext[spans.clamp(max=ext.numel() - 1)].masked_fill(spans >= ext.numel(), -1)
+        first = start + top.indices - self.radius
+        passage = passage.masked_fill(first[:, None] + torch.arange(self.width, device=device) < self.first, -1)
+        if self.scores is None:
+            scores, starts, kept = top.values, first, passage
+        else:
+            scores = torch.cat((self.scores, top.values))
+            starts = torch.cat((self.starts, first))
+            kept = torch.cat((self.ids, passage))
+        best = scores.topk(min(self.slots, scores.numel()))
+        self.scores, self.starts, self.ids = best.values, starts[best.indices], kept[best.indices]
+
+    def _block_share(self, cache, n: int) -> torch.Tensor | None:
+        """``[n - radius]``: each block token's largest share of the block (its last ``radius`` tokens left out)
+        paid by one query head of the middle layers, the question's queries summed; None when no layer
+        recorded the question's attention or the block is no longer than ``radius``."""
+        best = None
+        if n <= self.radius:
+            return None
+        for i in scored_layers(len(cache.layers)):
+            layer = cache.layers[i]
+            record = getattr(layer, "record", None)
+            if record is None or record.probe is None or layer.window is not None:
+                continue
+            # The block is each head's last n tokens before compression.
+            probs = record.probe[..., -n:-self.radius if self.radius else None].float()
+            share = (probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)).amax(dim=(0, 1))
+            best = share if best is None else torch.maximum(best, share)
+        return best
+
+    def passages(self) -> list[int]:
+        """The recap's token ids in stream order: the best passages first, as many as fit ``tokens``
+        (a passage that would overflow it is left out), overlapping passages merged."""
+        if self.scores is None:
+            return []
+        scores, starts, ids = self.scores.tolist(), self.starts.tolist(), self.ids.tolist()
+        chosen: dict[int, int] = {}
+        for score, start, span in zip(scores, starts, ids, strict=True):
+            if score <= 0:
+                break  # masked tokens and later ones: no peak left
+            new = {start + j: token for j, token in enumerate(span) if token >= 0 and start + j not in chosen}
+            if len(chosen) + len(new) > self.tokens:
+                continue
+            chosen.update(new)
+        return [chosen[index] for index in sorted(chosen)]

@@ -1,0 +1,148 @@
+"""The recap of a streamed read with a question (kvcli.recap): which passages it keeps, and how the reader
+reads them before the question."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcli.engine import Engine
+from kvcli.generate import RECAP_SEPARATOR, Reader
+from kvcli.methods import make_method
+from kvcli.models import tiny_llama
+from kvcli.prompts import PromptParts
+from kvcli.recap import Recap, scored_layers
+
+LAYERS = 12  # scored: layers 4 to 10
+
+
+def fake_cache(n: int, peaks: dict[int, float], layers: dict[int, dict[int, float]] | None = None,
+               cached: int = 5, group: int = 2) -> SimpleNamespace:
+    """A cache whose layers recorded the question's attention after a block of ``n`` tokens: ``cached`` older
+    tokens first, then the block; ``peaks`` maps a block offset to its weight in one query head of layer 6
+    (every other weight 1.0), ``layers`` gives other layers' peaks the same way."""
+    built = []
+    for i in range(LAYERS):
+        probe = torch.ones(2, group, cached + n)
+        for offset, weight in ({6: peaks} | (layers or {})).get(i, {}).items():
+            probe[1, 0, cached + offset] = weight
+        built.append(SimpleNamespace(record=SimpleNamespace(probe=probe), window=None))
+    return SimpleNamespace(layers=built)
+
+
+def test_only_the_middle_layers_score():
+    assert scored_layers(30) == range(10, 26) and scored_layers(LAYERS) == range(4, 11)
+    recap = Recap(3, radius=1)
+    # Stronger peaks in a bottom and a top layer do not vote; the middle layer's peak at 2 does.
+    recap.observe(fake_cache(12, {2: 20.0}, {0: {5: 500.0}, 11: {8: 500.0}}), list(range(100, 112)), start=0)
+    assert recap.passages() == [101, 102, 103]
+
+
+def test_a_peak_brings_its_neighbours_in_stream_order_and_the_recap_stays_bounded():
+    recap = Recap(6, radius=2)
+    recap.observe(fake_cache(20, {3: 40.0, 12: 90.0}), list(range(100, 120)), start=10)
+    # The best peak first (12 with 10..14), then the next (3 with 1..5) would overflow six tokens: left out.
+    assert recap.passages() == [110, 111, 112, 113, 114]
+    wide = Recap(10, radius=2)
+    wide.observe(fake_cache(20, {3: 40.0, 12: 90.0}), list(range(100, 120)), start=10)
+    assert wide.passages() == [101, 102, 103, 104, 105, 110, 111, 112, 113, 114]
+
+
+def test_a_peak_is_the_best_token_within_its_radius():
+    recap = Recap(10, radius=2)
+    recap.observe(fake_cache(20, {8: 90.0, 9: 80.0, 3: 40.0}), list(range(100, 120)), start=0)
+    # 9 is no peak (8 beats it within two tokens): its passage would repeat 8's, and 3's comes in instead.
+    assert recap.passages() == [101, 102, 103, 104, 105, 106, 107, 108, 109, 110]
+
+
+def test_the_last_radius_tokens_are_never_peaks_and_left_neighbours_come_from_the_block_before():
+    recap = Recap(5, radius=2)
+    recap.observe(fake_cache(8, {7: 1000.0, 6: 1000.0, 2: 50.0}), list(range(100, 108)), start=0)
+    assert recap.passages() == [100, 101, 102, 103, 104]  # the peak at 2, not the block's last two
+    recap = Recap(5, radius=2)
+    recap.observe(fake_cache(8, {2: 50.0}), list(range(100, 108)), start=0)
+    recap.observe(fake_cache(8, {0: 900.0}), list(range(200, 208)), start=8)
+    # The new peak (stream 8) reaches back into the previous block's last two tokens.
+    assert recap.passages() == [106, 107, 200, 201, 202]
+
+
+def test_the_prompt_before_the_document_is_never_recapped():
+    recap = Recap(5, radius=2, first=4)
+    recap.observe(fake_cache(10, {1: 500.0, 6: 400.0}), list(range(100, 110)), start=0)
+    assert recap.passages() == [104, 105, 106, 107, 108]
+
+
+def test_without_recorded_question_attention_there_is_no_recap():
+    cache = fake_cache(10, {})
+    for layer in cache.layers:
+        layer.record = None
+    recap = Recap(5, radius=2)
+    recap.observe(cache, list(range(10)), start=0)
+    assert recap.passages() == []
+
+
+def test_a_recap_needs_room_for_one_passage():
+    for tokens, radius in ((0, 2), (4, 2), (16, 8)):
+        with pytest.raises(ValueError):
+            Recap(tokens, radius)
+    Recap(17, 8)
+
+
+# --- the reader ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(num_layers=3, hidden=64, heads=4, kv_heads=2, vocab=128, seed=1)
+
+
+class Tokenizer:
+    """Token id = code point, enough to encode the separator."""
+
+    def __call__(self, text, **kwargs):
+        return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(i) for i in ids)
+
+
+def ids_of(n: int, seed: int) -> list[int]:
+    return torch.randint(20, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def read_with(model, recap: int, method: str = "snapkv"):
+    engine = Engine(model, make_method(method), 32, block=16)
+    calls = []
+    original = engine.forward
+
+    def forward(cache, ids, **kwargs):
+        calls.append(ids[0].tolist())
+        return original(cache, ids, **kwargs)
+
+    engine.forward = forward
+    prefix, doc, suffix = ids_of(3, 1), ids_of(90, 5), ids_of(6, 2)
+    gen = Reader(engine, Tokenizer(), recap=recap).run(PromptParts(prefix, suffix, chat=False), [doc], 2,
+                                                        one_shot=False)
+    return gen, [token for call in calls for token in call], prefix, doc, suffix
+
+
+def test_the_recap_is_read_after_the_document_and_before_the_question(model):
+    gen, read, prefix, doc, suffix = read_with(model, recap=40)
+    separator = [ord(c) for c in RECAP_SEPARATOR]
+    start = len(prefix) + len(doc) + len(separator)
+    again = read[start:start + gen.recap_tokens]
+    assert read[:len(prefix) + len(doc)] == prefix + doc
+    assert read[len(prefix) + len(doc):start] == separator
+    assert read[start + gen.recap_tokens:gen.prompt_tokens] == suffix
+    assert 0 < gen.recap_tokens <= 40
+    assert all(token in doc for token in again)
+    assert gen.document_tokens == len(doc)
+    assert gen.prompt_tokens == len(prefix) + len(doc) + len(separator) + gen.recap_tokens + len(suffix)
+
+
+def test_no_recap_when_off_or_when_the_method_scores_nothing(model):
+    plain, read, prefix, doc, suffix = read_with(model, recap=0)
+    assert plain.recap_tokens == 0 and plain.prompt_tokens == len(prefix) + len(doc) + len(suffix)
+    assert read[:plain.prompt_tokens] == prefix + doc + suffix
+    streaming, *_ = read_with(model, recap=40, method="streamingllm")
+    assert streaming.recap_tokens == 0
