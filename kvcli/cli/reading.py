@@ -317,7 +317,11 @@ def ask(
     setup: Setup,
     read: ReadOptions,
 ) -> None:
-    """Answer QUESTION about SOURCE; the question steers which tokens the compressed cache keeps."""
+    """Answer QUESTION about SOURCE; the question steers which tokens the compressed cache keeps.
+
+    A document too long for one forward is streamed in blocks, and the passages the question pointed at
+    are read once more before it (--recap).
+    """
     from kvcli.prompts import question_instruction
 
     if not question.strip():
