@@ -28,7 +28,10 @@ The rules, and why:
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the defaults below without it
+    import torch
 
 #: What ``kvcli ask`` re-reads at most by default: half the default cache of 1,024 (docs/results.md).
 RECAP_TOKENS = 512
@@ -65,6 +68,8 @@ class Recap:
     def observe(self, cache, ids: list[int], start: int) -> None:
         """Score the block ``ids`` (stream indices from ``start``) by the question's attention recorded in
         ``cache``'s layers, and keep its best passages among those seen so far."""
+        import torch
+
         n = len(ids)
         share = self._block_share(cache, n)
         device = share.device if share is not None else torch.device("cpu")
@@ -99,6 +104,8 @@ class Recap:
         """``[n - radius]``: each block token's largest share of the block (its last ``radius`` tokens left out)
         paid by one query head of the middle layers, the question's queries summed; None when no layer
         recorded the question's attention or the block is no longer than ``radius``."""
+        import torch
+
         best = None
         if n <= self.radius:
             return None
