@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -242,12 +243,12 @@ class Reader:
         pending = buffered
         read = 0
 
-        def blocks(observe: bool) -> None:
+        def blocks(observer: Recap | None) -> None:
             # Keep at least one token back: the last block goes through with the suffix.
             nonlocal read
             while len(pending) > block:
                 ids = pending[:block]
-                seen = (lambda c, ids=ids, start=cache.stream_start: recap.observe(c, ids, start)) if observe else None
+                seen = partial(observer.observe, ids=ids, start=cache.stream_start) if observer else None
                 self._forward(cache, ids, probe_ids, result, last_only=True, observe=seen)
                 read += block
                 del pending[:block]
@@ -256,12 +257,12 @@ class Reader:
         for chunk in _chain([pending], rest):
             if chunk is not pending:
                 pending.extend(chunk)
-            blocks(recap is not None)
+            blocks(recap)
         document = read + len(pending) - len(parts.prefix)
         if recap is not None and (again := recap.passages()):
             result.recap_tokens = len(again)
             pending.extend(encode(self.tokenizer, RECAP_SEPARATOR) + again)
-            blocks(False)
+            blocks(None)
         total = read + len(pending) + len(suffix)
         result.prompt_tokens = total
         result.document_tokens = document

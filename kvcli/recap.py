@@ -39,6 +39,11 @@ RECAP_TOKENS = 512
 RADIUS = 8
 
 
+def passage_width(radius: int = RADIUS) -> int:
+    """Tokens in one passage, a peak and ``radius`` neighbours on each side: the least a recap holds."""
+    return 2 * radius + 1
+
+
 def scored_layers(num_layers: int) -> range:
     """The middle layers whose question attention scores the recap: from a third to five sixths of the depth."""
     return range(num_layers // 3, 5 * num_layers // 6 + 1)
@@ -53,7 +58,7 @@ class Recap:
     """
 
     def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0):
-        self.width = 2 * radius + 1
+        self.width = passage_width(radius)
         if radius < 0 or tokens < self.width:
             raise ValueError(f"a recap holds at least one passage of {self.width} tokens, not {tokens}")
         self.tokens, self.radius, self.first = tokens, radius, first

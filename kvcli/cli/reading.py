@@ -66,10 +66,10 @@ AnswerPrefixOpt = Annotated[str, typer.Option("--answer-prefix", help="Start the
 
 def check_recap(tokens: int) -> None:
     """``--recap`` is 0 (off) or room for at least one passage (a peak and its neighbours)."""
-    from kvcli.recap import RADIUS
+    from kvcli.recap import passage_width
 
-    if tokens != 0 and tokens < 2 * RADIUS + 1:
-        raise UsageError(f"--recap must be 0 (off) or at least {2 * RADIUS + 1} (one passage), not {tokens}")
+    if tokens != 0 and tokens < passage_width():
+        raise UsageError(f"--recap must be 0 (off) or at least {passage_width()} (one passage), not {tokens}")
 
 
 @dataclass(frozen=True)
