@@ -6,10 +6,10 @@ block, the tokens that the question's queries single out in the middle layers, a
 of them with ``radius`` neighbours on each side: token ids, a bounded number, never keys or values.
 After the document the reader streams those passages once more, in stream order, before the
 question. Re-read, they enter every layer and head of the cache with the context of their passage,
-where compression had kept them in a few heads only (docs/results.md: a pass key kept in 10-30 of 90
-layer-heads that the model does not say). Gathering the relevant tokens and recomputing their keys and
-values is the idea of REFORM (Song et al., 2025, "Compress, Gather, and Recompute"); the scores here
-are the method's own probe attention, so a method that scores nothing (StreamingLLM) gets no recap.
+where compression may have kept them in a few heads only (the measurements are in docs/results.md).
+Gathering the relevant tokens and recomputing their keys and values is the idea of REFORM (Song et al.,
+2025, "Compress, Gather, and Recompute"); the scores here are the method's own probe attention, so a
+method that scores nothing (StreamingLLM) gets no recap.
 
 The rules, and why:
 
