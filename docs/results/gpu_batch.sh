@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One GPU session's batch for issue #27, run from the project root on the lent machine (device tool, with
+# `.gpu-wheels` carried; ../shared/gpu/README.md): the issue's bench-speed lines, the CUDA tests, and a
+# 1M-token stream. Each step has its own time limit and writes into $OUT, so a slow step loses only itself.
+#   bash docs/results/gpu_batch.sh [bench] [tests] [stream]   (default: all three, in that order)
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --find-links .gpu-wheels --target /tmp/site \
+    transformers regex gguf accelerate pytest pluggy iniconfig 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+steps=${*:-bench tests stream}
+for step in $steps; do
+  started=$(date +%s)
+  case $step in
+    bench)  timeout 200 python3 -m kvcli bench-speed --shape llama-3.1-8b \
+              --methods streamingllm,treekv,snapkv,pyramidkv,h2o --decode 64 --json >"$OUT/speed-8b.json" ;;
+    tests)  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs \
+              tests/test_decode.py tests/test_attention.py tests/test_overhead.py >"$OUT/tests.txt" 2>&1
+            tail -5 "$OUT/tests.txt" ;;
+    stream) timeout 200 python3 -m kvcli bench-speed --shape llama-3.1-8b --methods treekv \
+              --tokens 1048576 --json >"$OUT/stream-1m-8b.json" ;;
+  esac
+  echo "== $step: rc $? in $(( $(date +%s) - started )) s"
+done
