@@ -3,10 +3,15 @@
 # `.gpu-wheels` carried; ../shared/gpu/README.md): the issue's bench-speed lines, the CUDA tests, and a
 # 1M-token stream. Each step has its own time limit and writes into $OUT, so a slow step loses only itself.
 #   bash docs/results/gpu_batch.sh [bench] [tests] [stream]   (default: all three, in that order)
+#   bash docs/results/gpu_batch.sh setup                      (only the install, before commands of your own)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --find-links .gpu-wheels --target /tmp/site \
-    transformers regex gguf accelerate pytest pluggy iniconfig 2>&1 | tail -2
+    transformers regex gguf accelerate 2>&1 | tail -2
+# The tests step needs pytest, which ../shared/gpu/wheels.sh does not fetch: on a machine with network,
+# `pip download --no-deps -d .gpu-wheels pytest pluggy iniconfig` (unless the card's Python has it already).
+python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps \
+    --find-links .gpu-wheels --target /tmp/site pytest pluggy iniconfig 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -14,6 +19,7 @@ steps=${*:-bench tests stream}
 for step in $steps; do
   started=$(date +%s)
   case $step in
+    setup)  ;;
     bench)  timeout 200 python3 -m kvcli bench-speed --shape llama-3.1-8b \
               --methods streamingllm,treekv,snapkv,pyramidkv,h2o --decode 64 --json >"$OUT/speed-8b.json" ;;
     tests)  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs \
@@ -21,6 +27,7 @@ for step in $steps; do
             tail -5 "$OUT/tests.txt" ;;
     stream) timeout 200 python3 -m kvcli bench-speed --shape llama-3.1-8b --methods treekv \
               --tokens 1048576 --json >"$OUT/stream-1m-8b.json" ;;
+    *)      echo "unknown step $step (bench, tests, stream or setup)" >&2; exit 2 ;;
   esac
   echo "== $step: rc $? in $(( $(date +%s) - started )) s"
 done
