@@ -18,6 +18,8 @@ Soft-capping and sinks take the explicit path on every device, since SDPA has ne
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -25,8 +27,9 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
-from kvcli.cache import AttentionRecord, KVCache
+from kvcli.cache import KVCache
 from kvcli.errors import UnsupportedModelError
+from kvcli.scores import defer, defers, record, window_probs
 
 ATTENTION_NAME = "kvcli"
 
@@ -42,7 +45,7 @@ def hidden_by_mask(queries: int, keys: int, device: torch.device, window: int | 
     return ~block_causal_mask(queries, keys, device, window)
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=64)  # a shape per layer length: PyramidKV's 30 layers each have their own
 def block_causal_mask(queries: int, keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
     """``[queries, keys]`` boolean mask: query i sees every cached key and the new keys up to itself;
     with a ``window``, only the keys less than ``window`` positions before it (the cached keys of a
@@ -68,21 +71,26 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 WINDOW_CHUNK_SCORES = 1 << 26
 
 
-def window_probs(logits: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
-    """Softmax of the window's scaled ``logits`` ``[H_kv, group, w, keys]``, summed over the queries;
-    ``hidden`` ``[w, m]`` marks which of the last ``m`` keys (the block's own) each query must not see: every
-    cached key before them is visible to all (None: the logits are masked already). With a mask, the logits
-    are masked in place (the caller's own tensor).
+def window_logits(query: torch.Tensor, key: torch.Tensor, scaling: float, first: int, last: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scaled logits ``[H_kv, group, last - first, keys]`` of the queries ``first:last`` against every key, and the
+    mask of the block's own keys they must not see (:func:`kvcli.scores.window_probs`; None for one query).
 
-    The one place scores are made, for every attention path and device: from logits of queries scaled
-    before the matmul, softmaxed and summed in fp32, so that bf16 rounding of the probabilities never
-    turns near-equal scores into exact ties (which the eviction rules break to the left) on one device
-    and not on another. The softmax reads the logits in their own dtype and computes in fp32 (no fp32
-    copy of the logits first).
+    Queries are scaled before the matmul, as the explicit path scales them: the same scores on both paths.
     """
-    if hidden is not None:
-        logits[..., logits.shape[-1] - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
-    return torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=2)
+    _, q_heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    rows = last - first
+    grouped = query.narrow(2, first, rows).mul(scaling).reshape(1, kv_heads, (q_heads // kv_heads) * rows, dim)
+    logits = torch.matmul(grouped, key.transpose(2, 3)).view(kv_heads, q_heads // kv_heads, rows, k_len)
+    return logits, window_mask(q_len, first, last, query.device) if q_len > 1 else None
+
+
+@lru_cache(maxsize=16)
+def window_mask(queries: int, first: int, last: int, device: torch.device) -> torch.Tensor:
+    """The rows ``first:last`` of :func:`hidden_by_mask` of a block against itself: the block's causal mask, made
+    once per block size and window whatever the cache's length (layers differ in it)."""
+    return hidden_by_mask(queries, queries, device)[first:last]
 
 
 def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
@@ -91,21 +99,12 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, win
     Summed chunk by chunk of queries, so memory stays bounded when the window is a whole long prompt;
     the usual window is one chunk, whose sum is returned as it is (no running total to add it to).
     """
-    _, q_heads, q_len, dim = query.shape
-    kv_heads, k_len = key.shape[1], key.shape[2]
-    group = q_heads // kv_heads
+    q_heads, q_len, k_len = query.shape[1], query.shape[2], key.shape[2]
     window = min(window, q_len)
     chunk = max(1, WINDOW_CHUNK_SCORES // (q_heads * k_len))
-    keys_t = key[0].transpose(1, 2)
-    # The block's causal mask, made once per block size whatever the cache's length (layers differ in it).
-    hidden = hidden_by_mask(q_len, q_len, query.device) if q_len > 1 else None
     total = None
     for first in range(q_len - window, q_len, chunk):
-        last = min(first + chunk, q_len)
-        # Queries scaled before the matmul, as the explicit path scales them: the same scores on both paths.
-        rows = (query[0, :, first:last, :] * scaling).reshape(kv_heads, group * (last - first), dim)
-        logits = torch.matmul(rows, keys_t).view(kv_heads, group, last - first, k_len)
-        probs = window_probs(logits, None if hidden is None else hidden[first:last])
+        probs = window_probs(*window_logits(query, key, scaling, first, min(first + chunk, q_len)))
         total = probs if total is None else total.add_(probs)
     return total
 
@@ -181,6 +180,34 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return output, probs
 
 
+#: Devices whose blocks against a cache take :func:`explicit_attention` (:func:`takes_explicit`).
+EXPLICIT_DEVICES = frozenset({"cpu"})
+
+
+@contextmanager
+def sdpa_everywhere() -> Iterator[None]:
+    """Within it, every device takes the SDPA path, as every GPU call does: to count and test the GPU's
+    operations on a CPU (``python -m kvcli.bench.ops --attention sdpa``, tests/test_overhead.py). The CPU
+    builds a boolean block-causal mask (made once per shape) where CUDA passes ``causal_lower_right``."""
+    global EXPLICIT_DEVICES
+    before, EXPLICIT_DEVICES = EXPLICIT_DEVICES, frozenset()
+    try:
+        yield
+    finally:
+        EXPLICIT_DEVICES = before
+
+
+def takes_explicit(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> bool:
+    """Whether :func:`dense_attention` takes the explicit path: soft-capping and sinks always (SDPA has
+    neither); on the CPU a block against the cache without a mask, but not a long prefill into an empty cache."""
+    if softcap is not None or sinks is not None:
+        return True
+    q_len, k_len = query.shape[2], key.shape[2]
+    long_prefill = attention_mask is None and q_len == k_len and q_len >= CAUSAL_KERNEL_FROM
+    return query.device.type in EXPLICIT_DEVICES and attention_mask is None and not long_prefill
+
+
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, window: int,
                     attention_mask: torch.Tensor | None = None, *, sliding_window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None
@@ -191,15 +218,11 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     prefill into an empty cache and every GPU call take :func:`sdpa_attention`, unless the layer
     soft-caps its logits or has sinks, which only the explicit path computes.
     """
-    q_len, k_len = query.shape[2], key.shape[2]
-    if softcap is not None or sinks is not None:
+    if takes_explicit(query, key, attention_mask, softcap=softcap, sinks=sinks):
         if attention_mask is not None:
             raise ValueError("kvcli builds its own masks; soft-capping and sinks take no external mask")
         return explicit_attention(query, key, value, scaling, window, sliding_window=sliding_window,
                                   softcap=softcap, sinks=sinks)
-    long_prefill = attention_mask is None and q_len == k_len and q_len >= CAUSAL_KERNEL_FROM
-    if query.device.type == "cpu" and attention_mask is None and not long_prefill:
-        return explicit_attention(query, key, value, scaling, window, sliding_window=sliding_window)
     return sdpa_attention(query, key, value, attention_mask, scaling, window, sliding_window)
 
 
@@ -226,19 +249,23 @@ def kvcli_attention(
             f"read {layer.window} from its configuration: this architecture is not supported")
     window = cache.score_window if layer is not None and layer.window is None else 0  # window layers need no scores
     own = layer.attend(query, key, value, scaling, window) if layer is not None else None
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    # A GPU's SDPA path: the window's softmax waits to be batched with the other layers' (kvcli.scores).
+    # Not on the CPU, which is not bound by launches and whose long one-shot prefills take that path too.
+    waits = (window > 0 and query.device.type not in EXPLICIT_DEVICES and softcap is None and sinks is None
+             and defers(query.shape[1], min(window, q_len), key.shape[2]))
     if own is not None:
         output, probs = own
+    elif waits:
+        output, _ = sdpa_attention(query, key, value, attention_mask, scaling, 0, sliding_window)
+        defer(cache, layer, *window_logits(query, key, scaling, q_len - min(window, q_len), q_len),
+              min(window, q_len))
+        probs = None
     else:
         output, probs = dense_attention(query, key, value, scaling, window, attention_mask,
-                                        sliding_window=sliding_window, softcap=kwargs.get("softcap"),
-                                        sinks=kwargs.get("s_aux"))
+                                        sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     if probs is not None:
-        window = min(window, q_len)
-        if cache.probing:  # the question alone scores: the block it follows recorded nothing (Engine.forward)
-            probe = probs[..., : layer.get_seq_length()]  # its own keys are not kept
-            layer.record = AttentionRecord(probe, window, probe, own=0)
-        else:
-            layer.record = AttentionRecord(probs, window, probs if cache.question_scores else None)
+        record(layer, probs, min(window, q_len), cache.probing, cache.question_scores)
     return output.transpose(1, 2).contiguous(), None
 
 

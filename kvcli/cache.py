@@ -265,6 +265,8 @@ class KVCache(Cache):
         #: The recorded queries are the question's (the reader's instruction), not the text's: see Engine.forward.
         self.question_scores = False
         self.probing = False
+        #: Layers' window logits waiting for their softmax, batched after the forward (:mod:`kvcli.scores`).
+        self.waiting: list = []
         self.keep_positions = False  # True: no re-assignment, a token's position is its index in the stream
         #: The method keeps different tokens in different KV heads: re-assigned positions follow the stream
         #: order of the tokens all heads of a layer hold together, not each head's own count

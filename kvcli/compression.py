@@ -18,6 +18,7 @@ from kvcli.architecture import Architecture
 from kvcli.cache import KVCache, LayerView
 from kvcli.errors import UnsupportedModelError
 from kvcli.methods.base import Method
+from kvcli.scores import settle
 
 
 def layer_budgets(method: Method, architecture: Architecture, budget: int | None,
@@ -76,6 +77,7 @@ def nested_forward(run: Callable[[], torch.Tensor], method: Method, cache: KVCac
     def before(idx: int):
         def hook(module, args, kwargs):
             below = idx - 1
+            settle(cache)  # the layer below's window scores
             layer = cache.layers[below]
             tokens = layer.token_idx  # [H, T], before the layer stores its choice
             view = LayerView(below, num_layers, layer, n, layer.record, seen=cache.stream_start + n,

@@ -25,6 +25,7 @@ from kvcli.compression import compress_cache, layer_budgets, nested_forward
 from kvcli.errors import UsageError
 from kvcli.methods.base import Method
 from kvcli.positions import BlockPositions
+from kvcli.scores import settle
 from kvcli.streaming import (
     BlockStats,
     LogitsHook,
@@ -205,6 +206,7 @@ class Engine:
                 self.compress(cache, n, decoding, skip=done, question=question)
         finally:
             cache.question_scores = False
+            cache.waiting.clear()
             for layer in cache.layers:
                 layer.record = None
         return hidden[0]
@@ -238,6 +240,7 @@ class Engine:
         try:
             out = self.decoder(input_ids=ids.to(self.device), position_ids=positions, past_key_values=cache,
                                use_cache=True, kvcli_cache=cache)
+            settle(cache)  # every layer's window scores, recorded before anything reads them
         finally:
             cache.probing = False
             cache.clear_rotation()

@@ -65,3 +65,68 @@ def test_cuda_blocks_and_generated_tokens_match_the_explicit_attention(queries, 
     got, got_scores = sdpa_attention(q.cuda().half(), k.cuda().half(), v.cuda().half(), None, 0.125, 4)
     assert torch.allclose(got.float().cpu(), want, atol=2e-2)
     assert torch.allclose(got_scores.cpu(), want_scores, atol=2e-2)
+
+
+def _stream_on_the_sdpa_path(name: str, ids: torch.Tensor, question: torch.Tensor, dtype: torch.dtype) -> list:
+    """What a stream leaves on the GPU's attention path (forced on the CPU): each block's last hidden state, then
+    every layer's kept tokens and keys; blocks scored by the block's own window, by a probe, and a nested read."""
+    from kvcli.attention import sdpa_everywhere
+    from kvcli.engine import Engine
+    from kvcli.methods import make_method
+    from kvcli.models import tiny_llama
+
+    model = tiny_llama(num_layers=4, hidden=64, heads=4, kv_heads=2, seed=0).to(dtype)
+    engine = Engine(model, make_method(name), 48, block=24)
+    cache = engine.new_cache()
+    out = []
+    with sdpa_everywhere():
+        for start in range(0, ids.shape[0], 24):
+            probe = question[None] if start % 48 else None
+            out.append(engine.forward(cache, ids[None, start:start + 24], probe=probe)[-1])
+        out.append(engine.forward(cache, torch.cat((ids[:5], question))[None], question=question.shape[0],
+                                  last_only=True)[-1])
+    for layer in cache.layers:
+        out += [layer.token_idx, layer.keys]
+    return out
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "treekv", "h2o", "tova", "pyramidinfer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_scores_batched_across_layers_are_each_layers_own(name, dtype, monkeypatch):
+    """On the SDPA path the layers' window softmaxes wait and run as one batch (kvcli.scores): every kept token,
+    key and hidden state is what each layer's own softmax at once gives, bit for bit, in one batch or several."""
+    import kvcli.engine
+    from kvcli import scores
+
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (24 * 8,), generator=generator)
+    question = torch.randint(0, 128, (6,), generator=generator)
+    waited = []
+    monkeypatch.setattr(kvcli.engine, "settle", lambda cache: (waited.append(len(cache.waiting)), scores.settle(cache)))
+    batched = _stream_on_the_sdpa_path(name, ids, question, dtype)
+    assert max(waited) == 4  # every layer's window waited for one batch
+    monkeypatch.setattr(scores, "STACK_SCORES", 1)  # one layer a batch
+    one_by_one = _stream_on_the_sdpa_path(name, ids, question, dtype)
+    monkeypatch.setattr(scores, "DEFER_SCORES", 0)  # nothing waits: each layer's softmax in its attention
+    at_once = _stream_on_the_sdpa_path(name, ids, question, dtype)
+    assert all(torch.equal(a, b) for a, b in zip(batched, at_once, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(one_by_one, at_once, strict=True))
+
+
+def test_the_cpu_does_not_wait_for_window_scores(monkeypatch):
+    """On the CPU every window is softmaxed in its layer's attention: nothing waits (kvcli.scores) outside
+    :func:`kvcli.attention.sdpa_everywhere`, the long one-shot prefills that take SDPA there included."""
+    import kvcli.engine
+    from kvcli import scores
+    from kvcli.engine import Engine
+    from kvcli.methods import make_method
+    from kvcli.models import tiny_llama
+
+    model = tiny_llama(num_layers=2, hidden=32, heads=4, kv_heads=2, seed=0)
+    engine = Engine(model, make_method("snapkv"), 48, block=24)
+    cache = engine.new_cache()
+    waited = []
+    monkeypatch.setattr(kvcli.engine, "settle", lambda cache: (waited.append(len(cache.waiting)), scores.settle(cache)))
+    engine.forward(cache, torch.randint(0, 128, (1, 1100)), question=8)  # a one-shot prefill: SDPA on the CPU
+    engine.forward(cache, torch.randint(0, 128, (1, 24)))
+    assert waited == [0, 0]

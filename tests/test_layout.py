@@ -15,7 +15,7 @@ LAYERS = {
     "checkpoint": 3, "needle_plot": 3, "recap": 3,
     "models": 2, "text": 2, "documents": 2, "prompts": 2, "presets": 2,
     "engine": 1, "methods": 1, "pod": 1, "cache": 1, "attention": 1, "architecture": 1, "quant": 1,
-    "streaming": 1, "compression": 1, "positions": 1, "joined": 1, "rope": 1, "decode": 1,
+    "streaming": 1, "compression": 1, "positions": 1, "joined": 1, "rope": 1, "decode": 1, "scores": 1,
     "report": 0, "plots": 0, "errors": 0, "outputs": 0, "statefile": 0, "distributed": 0, "__init__": 0,
     "modelcache": 0, "lazy": 0,
 }

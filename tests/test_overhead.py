@@ -72,6 +72,21 @@ def test_operations_per_block_at_smollm2s_layer_count():
     assert all(ratios[name] <= bound for name, bound in REAL_SHAPE_BOUNDS.items()), ratios
 
 
+#: The same measure on the SDPA path every GPU block takes (kvcli.attention.sdpa_everywhere), where each layer's
+#: window scores are a matmul of their own and their softmax waits to be batched across layers (kvcli.scores).
+#: PyramidKV's layers differ in length, so its windows are softmaxed layer by layer.
+SDPA_PATH_BOUNDS = {"streamingllm": 0.97, "snapkv": 1.09, "pyramidkv": 1.18, "treekv": 1.12, "tova": 1.1}
+
+
+def test_operations_per_block_on_the_gpus_attention_path():
+    from kvcli.attention import sdpa_everywhere
+
+    with sdpa_everywhere():
+        ratios = {name: ratio for name, (ratio, _) in real_shape_ratios(
+            {name: lambda model, name=name: make_method(name) for name in SDPA_PATH_BOUNDS}).items()}
+    assert all(ratios[name] <= bound for name, bound in SDPA_PATH_BOUNDS.items()), ratios
+
+
 @pytest.mark.parametrize(("options", "bound"), [({}, 1.3), ({"recent": 128}, 1.36)])
 def test_pod_operations_per_block_at_smollm2s_layer_count(options, bound, monkeypatch):
     """PoD with the default model's shipped groups: at most 1.3x with its default window, where every cached

@@ -108,8 +108,6 @@ def main(argv: list[str] | None = None) -> None:
     (a named shape of :mod:`kvcli.bench.speed`, random weights)."""
     import argparse
 
-    from kvcli.bench.speed import build_model
-    from kvcli.methods import make_method
     from kvcli.methods.registry import METHODS
 
     parser = argparse.ArgumentParser(prog="python -m kvcli.bench.ops", description=main.__doc__)
@@ -118,16 +116,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--methods", default=",".join(name for name in METHODS if name != "full"))
     parser.add_argument("--top", type=int, default=0, help="also list the N op names each method adds most")
+    parser.add_argument("--attention", choices=("auto", "sdpa"), default="auto",
+                        help="sdpa: every block takes the SDPA path, as on a GPU (kvcli.attention.sdpa_everywhere)")
     parser.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE",
                         type=lambda item: tuple(item.split("=", 1)) if "=" in item else parser.error(
                             f"-o {item!r}: expected KEY=VALUE"),
                         help="a method parameter, given to every method listed (e.g. --methods pod -o recent=128)")
     args = parser.parse_args(argv)
+    if args.attention == "sdpa":
+        from kvcli.attention import sdpa_everywhere
+
+        with sdpa_everywhere():
+            _print_counts(args)
+    else:
+        _print_counts(args)
+
+
+def _print_counts(args) -> None:
+    from kvcli.bench.speed import build_model
+    from kvcli.methods import make_method
+
     model = build_model(args.shape)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.cache + 4 * args.block,), generator=torch.Generator().manual_seed(0))
     plain = plain_block_ops(model, ids[: args.cache + args.block], args.cache)
-    print(f"{args.shape}, cache {args.cache}, block {args.block}: plain forward {plain.total:,} ops")
+    print(f"{args.shape}, cache {args.cache}, block {args.block}, attention {args.attention}: "
+          f"plain forward {plain.total:,} ops")
     print("| method | engine ops | ratio | host reads |")
     print("| --- | ---: | ---: | ---: |")
     for name in args.methods.split(","):
