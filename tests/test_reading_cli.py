@@ -233,3 +233,18 @@ def test_needle_method_options(invoke, tiny_model_dir, tmp_path, monkeypatch):
         result = invoke(*common, "-o", option)
         assert result.exit_code == 2 and message in result.stderr
     assert not (tmp_path / "needle").exists()
+
+
+def test_needle_writes_as_many_tokens_as_an_answer_with_a_long_key_needs(smol_tokenizer):
+    """The CLI's default (a literal: kvcli.needle imports torch) is the library's, long enough for "The pass key
+    mentioned in the text is 7117200." in SmolLM2's tokens (one a digit), which the former 12 cut short."""
+    import inspect
+
+    from kvcli.cli.needle import needle
+    from kvcli.needle import ANSWER_TOKENS, run_grid
+    from kvcli.prompts import encode
+
+    assert inspect.signature(needle).parameters["max_new_tokens"].default == ANSWER_TOKENS
+    assert inspect.signature(run_grid).parameters["max_new_tokens"].default == ANSWER_TOKENS
+    answer = encode(smol_tokenizer, "The pass key mentioned in the text is 7117200.")
+    assert 12 < len(answer) < ANSWER_TOKENS  # and an end-of-turn token after it

@@ -52,7 +52,7 @@ def needle(
     block: BlockOpt = "auto",
     option: MethodsOptionOpt = None,
     seed: SeedOpt = 0,
-    max_new_tokens: MaxNewOpt = 12,
+    max_new_tokens: MaxNewOpt = 32,  # kvcli.needle.ANSWER_TOKENS (that module imports torch)
     one_shot: OneShotOpt = None,
     probe: ProbeOpt = True,
     answer_prefix: AnswerPrefixOpt = "",
