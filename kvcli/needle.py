@@ -175,7 +175,7 @@ def excerpt_offset(total: int, length: int, trial: int) -> int:
 def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
              lengths: Iterable[int] = DEFAULT_LENGTHS, depths: Iterable[float] = DEFAULT_DEPTHS,
              trials: int = DEFAULT_TRIALS,
-             budget: int = 1024, block: int = 256, seed: int = 0, max_new_tokens: int = ANSWER_TOKENS,
+             budget: int = 1024, block: int = 1024, seed: int = 0, max_new_tokens: int = ANSWER_TOKENS,
              one_shot: bool | None = None, probe: bool = True, options: dict[str, dict] | None = None,
              answer_prefix: str = "", fixed: bool = False, warn: Callable[[str], None] | None = None,
              on_trial: Callable[[Trial, int, int], None] | None = None, kv_bits: int = 16,

@@ -248,3 +248,16 @@ def test_needle_writes_as_many_tokens_as_an_answer_with_a_long_key_needs(smol_to
     assert inspect.signature(run_grid).parameters["max_new_tokens"].default == ANSWER_TOKENS
     answer = encode(smol_tokenizer, "The pass key mentioned in the text is 7117200.")
     assert 12 < len(answer) < ANSWER_TOKENS  # and an end-of-turn token after it
+
+
+def test_a_read_takes_blocks_of_1024_on_every_device_unless_told():
+    """``--block auto`` of ``ask``, ``summarize`` and ``needle`` is READ_BLOCK, the library's needle default too
+    (chosen on the tuning books: docs/results.md); ``ppl`` keeps the engine's default per device."""
+    import inspect
+
+    from kvcli.cli.options import READ_BLOCK, parse_block, parse_read_block
+    from kvcli.needle import run_grid
+
+    assert parse_read_block("auto") == READ_BLOCK == 1024 and parse_read_block("64") == 64
+    assert parse_block("auto") is None  # the engine's default for the device
+    assert inspect.signature(run_grid).parameters["block"].default == READ_BLOCK

@@ -8,17 +8,16 @@ from typing import Annotated
 import typer
 
 from kvcli.cli.options import (
-    BlockOpt,
     CacheOpt,
     KvBitsOpt,
     MethodsOptionOpt,
+    ReadBlockOpt,
     Setup,
     check_at_least,
     check_cache,
     method_options,
-    parse_block,
     parse_kv_bits,
-    resolve_block,
+    parse_read_block,
     split_list,
     with_setup,
 )
@@ -49,7 +48,7 @@ def needle(
                                                "the 5 default depths.", show_default=False)] = None,
     cache: CacheOpt = 1024,
     kv_bits: KvBitsOpt = "16",
-    block: BlockOpt = "auto",
+    block: ReadBlockOpt = "auto",
     option: MethodsOptionOpt = None,
     seed: SeedOpt = 0,
     max_new_tokens: MaxNewOpt = 32,  # kvcli.needle.ANSWER_TOKENS (that module imports torch)
@@ -90,7 +89,7 @@ def needle(
     trials = DEFAULT_TRIALS if trials is None else trials  # the library's default, imported only when run
     check_at_least(1, trials=trials, max_new_tokens=max_new_tokens)
     check_recap(recap)
-    block_size = parse_block(block)
+    block_size = parse_read_block(block)
     bits = parse_kv_bits(kv_bits)
     check_cache(cache)
     per_method = method_options(method_list, option)
@@ -99,7 +98,6 @@ def needle(
     documents = setup.documents(source)
     loaded = setup.load()
     tokens = book_tokens(documents, loaded.tokenizer, max(length_list) * trials)
-    block_size = resolve_block(block_size, loaded)
 
     def on_trial(trial, done, total) -> None:
         mark = "ok" if trial.correct else "miss"

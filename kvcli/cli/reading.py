@@ -14,11 +14,11 @@ from typing import Annotated
 import typer
 
 from kvcli.cli.options import (
-    BlockOpt,
     CacheOpt,
     KvBitsOpt,
     MethodOpt,
     OptionOpt,
+    ReadBlockOpt,
     ResumeOpt,
     RowsOpt,
     Setup,
@@ -28,9 +28,9 @@ from kvcli.cli.options import (
     join_ranks,
     keyword,
     options_bundle,
-    parse_block,
     parse_kv_bits,
     parse_options,
+    parse_read_block,
     with_setup,
 )
 from kvcli.errors import UsageError
@@ -106,8 +106,9 @@ def with_reading(max_new_tokens: int, recap: int = 0):
                            recap)
 
     return options_bundle("read", build, [
-        keyword("method", MethodOpt, "treekv"), keyword("cache", CacheOpt, 1024), keyword("block", BlockOpt, "auto"),
-        keyword("option", OptionOpt, None), keyword("max_new_tokens", MaxNewOpt, max_new_tokens),
+        keyword("method", MethodOpt, "treekv"), keyword("cache", CacheOpt, 1024),
+        keyword("block", ReadBlockOpt, "auto"), keyword("option", OptionOpt, None),
+        keyword("max_new_tokens", MaxNewOpt, max_new_tokens),
         keyword("answer_prefix", AnswerPrefixOpt, ""), keyword("temperature", TemperatureOpt, 0.0),
         keyword("seed", SeedOpt, 0), keyword("json_out", JsonOpt, False), keyword("preset", PresetOpt, None),
         keyword("one_shot", OneShotOpt, None), keyword("probe", ProbeOpt, True), keyword("stop", StopOpt, None),
@@ -153,7 +154,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     setup, read = apply_presets(ctx, read.presets, setup, read)
     check_at_least(1, max_new_tokens=read.max_new_tokens)
     check_recap(read.recap)
-    block_size = parse_block(read.block)
+    block_size = parse_read_block(read.block)
     bits = parse_kv_bits(read.kv_bits)
     if read.temperature < 0:
         raise UsageError(f"--temperature must not be negative, not {read.temperature}")
