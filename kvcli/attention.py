@@ -250,22 +250,21 @@ def kvcli_attention(
     window = cache.score_window if layer is not None and layer.window is None else 0  # window layers need no scores
     own = layer.attend(query, key, value, scaling, window) if layer is not None else None
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    # A GPU's SDPA path: the window's softmax waits to be batched with the other layers' (kvcli.scores).
-    # Not on the CPU, which is not bound by launches and whose long one-shot prefills take that path too.
-    waits = (window > 0 and query.device.type not in EXPLICIT_DEVICES and softcap is None and sinks is None
-             and defers(query.shape[1], min(window, q_len), key.shape[2]))
+    recorded = min(window, q_len)
     if own is not None:
         output, probs = own
-    elif waits:
+    elif (recorded and query.device.type not in EXPLICIT_DEVICES and defers(query.shape[1], recorded, key.shape[2])
+          and not takes_explicit(query, key, attention_mask, softcap=softcap, sinks=sinks)):
+        # A GPU's SDPA path: the window's softmax waits to be batched with the other layers' (kvcli.scores).
+        # Not on the CPU, which is not bound by launches and whose long one-shot prefills take that path too.
         output, _ = sdpa_attention(query, key, value, attention_mask, scaling, 0, sliding_window)
-        defer(cache, layer, *window_logits(query, key, scaling, q_len - min(window, q_len), q_len),
-              min(window, q_len))
+        defer(cache, layer, *window_logits(query, key, scaling, q_len - recorded, q_len), recorded)
         probs = None
     else:
         output, probs = dense_attention(query, key, value, scaling, window, attention_mask,
                                         sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     if probs is not None:
-        record(layer, probs, min(window, q_len), cache.probing, cache.question_scores)
+        record(layer, probs, recorded, cache.probing, cache.question_scores)
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -51,12 +51,11 @@ KEY_DIGITS = (4, 5, 6, 7)
 ANSWER_PREFIX = "The pass key is "
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 DEFAULT_LENGTHS = (6000,)
+#: Tokens a trial may write: enough for the longest answer the question wordings draw, such as "The pass key
+#: mentioned in the text is 7117200." (17 tokens with SmolLM2's one token a digit), before the end of the turn.
+ANSWER_TOKENS = 32
 #: Haystacks per length and depth: 4 x the 5 default depths = 20 trials per method and length, enough
 #: for a 95% interval about +-20 points wide at mid rates (5 trials left it +-40 points).
-#: Tokens a trial may write. The question wordings draw answers such as "The pass key mentioned in the text is
-#: 7117200.": 17 tokens with SmolLM2's one token a digit, so the former 12 cut a right answer short (2 of 60
-#: haystacks of docs/results.md's 24k table); ``ask`` itself writes up to 128.
-ANSWER_TOKENS = 32
 DEFAULT_TRIALS = 4
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: two-sided 95%
 

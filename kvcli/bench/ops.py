@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -123,12 +124,9 @@ def main(argv: list[str] | None = None) -> None:
                             f"-o {item!r}: expected KEY=VALUE"),
                         help="a method parameter, given to every method listed (e.g. --methods pod -o recent=128)")
     args = parser.parse_args(argv)
-    if args.attention == "sdpa":
-        from kvcli.attention import sdpa_everywhere
+    from kvcli.attention import sdpa_everywhere
 
-        with sdpa_everywhere():
-            _print_counts(args)
-    else:
+    with sdpa_everywhere() if args.attention == "sdpa" else nullcontext():
         _print_counts(args)
 
 

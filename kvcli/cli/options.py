@@ -42,9 +42,9 @@ CacheOpt = Annotated[int, typer.Option("--cache", "-c", help="KV budget in token
                                        "layers for methods that vary it). Ignored by `full`.")]
 BlockOpt = Annotated[str, typer.Option("--block", "-b", help="Tokens per forward pass; the cache is compressed "
                                        "after every block. auto: 256 on a CPU, 1024 on a GPU.")]
-#: The block of a read (``ask``, ``summarize``, ``needle``) on every device. On the tuning books a 24k-token read in
-#: blocks of 1,024 answered 17 of 36 pass-key haystacks against 11 of 36 in blocks of 256 (docs/results.md):
-#: a token the question needs survives 23 compressions instead of 94.
+#: The block of a read (``ask``, ``summarize``, ``needle``) on every device: the fewer compressions a document
+#: goes through, the fewer chances to evict a token the question needs (chosen on the tuning books:
+#: docs/reading.md, "Blocks of 1,024").
 READ_BLOCK = 1024
 ReadBlockOpt = Annotated[str, typer.Option("--block", "-b", help="Tokens per forward pass while reading a document "
                                            "that does not fit one; the cache is compressed after every block. auto: "
