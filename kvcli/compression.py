@@ -37,18 +37,19 @@ def layer_budgets(method: Method, architecture: Architecture, budget: int | None
 
 def compress_cache(method: Method, cache: KVCache, budgeted: Sequence[int], budgets: Sequence[int | None],
                    mean_budget: int | None, num_new: int, decoding: bool = False, skip: set[int] = frozenset(),
-                   question: int = 0) -> None:
+                   question: int = 0, held: int = 0) -> None:
     """Let ``method`` shrink every layer in ``budgeted``; a window layer already keeps only its window.
 
     The method sees the budgeted layers numbered among themselves, as it allotted their budgets, all
     in one call (:meth:`Method.compress_layers`: layers that stand alike are compressed as one batch),
     unless ``compress`` was replaced on the instance, which is then called for each layer.
     ``skip`` holds layers a nested forward compressed already; ``question`` is how many of the last
-    tokens are the question (:attr:`LayerView.question`).
+    tokens are the question (:attr:`LayerView.question`), ``held`` how many are kept whatever they score
+    (:attr:`LayerView.held`).
     """
     chosen = [(depth, idx) for depth, idx in enumerate(budgeted) if idx not in skip]
     views = [LayerView(depth, len(budgeted), cache.layers[idx], num_new, cache.layers[idx].record, decoding,
-                       seen=cache.stream_start, mean_budget=mean_budget, question=question)
+                       seen=cache.stream_start, mean_budget=mean_budget, question=question, held=held)
              for depth, idx in chosen]
     wanted = [budgets[idx] for _, idx in chosen]
     if "compress" in vars(method):  # compress replaced on the instance (a wrapper, a spy): honoured layer by layer
@@ -60,7 +61,7 @@ def compress_cache(method: Method, cache: KVCache, budgeted: Sequence[int], budg
 
 def nested_forward(run: Callable[[], torch.Tensor], method: Method, cache: KVCache, decoder_layers: Sequence,
                    budgets: Sequence[int | None], mean_budget: int | None, num_new: int, device: torch.device,
-                   done: set[int], question: int = 0) -> torch.Tensor:
+                   done: set[int], question: int = 0, held: int = 0) -> torch.Tensor:
     """``run()``, a forward in which layer ``l + 1`` processes only the tokens layer ``l`` passes on
     (Algorithm 1 of PyramidInfer: ``KV <- PvC``; the authors' code gathers the kept tokens' hidden states).
 
@@ -81,7 +82,7 @@ def nested_forward(run: Callable[[], torch.Tensor], method: Method, cache: KVCac
             layer = cache.layers[below]
             tokens = layer.token_idx  # [H, T], before the layer stores its choice
             view = LayerView(below, num_layers, layer, n, layer.record, seen=cache.stream_start + n,
-                             mean_budget=mean_budget, question=question)
+                             mean_budget=mean_budget, question=question, held=held)
             keep, passed = method.compress_nested(view, budgets[below])
             if keep is not None:
                 layer.keep(keep)

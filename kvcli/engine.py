@@ -157,7 +157,7 @@ class Engine:
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,
                 compress: bool = True, decoding: bool = False, last_only: bool = False,
-                question: int = 0, observe: Callable[[KVCache], None] | None = None) -> torch.Tensor:
+                question: int = 0, observe: Callable[[KVCache], None] | None = None, held: int = 0) -> torch.Tensor:
         """Run ``ids`` ``[1, n]`` against ``cache``, compress, and return the last hidden states ``[n, d]``.
 
         Hidden states rather than logits: a 49k-token vocabulary makes the logits of a block the
@@ -170,7 +170,8 @@ class Engine:
         whatever the method's own window: the text's last queries do not vote (FINCH's rule for
         streamed chunks; in a one-shot read SnapKV's window sized to the question). A method that
         scores nothing (StreamingLLM) runs no probe. ``decoding`` marks a generated token (see
-        :class:`kvcli.cache.LayerView`).
+        :class:`kvcli.cache.LayerView`). ``held`` (at least ``question``) says the block's last ``held`` tokens
+        stay in every layer whatever they score, as the question does (:attr:`kvcli.cache.LayerView.held`).
 
         ``last_only`` says the caller needs the hidden state of the block's last token only (a read
         for ``summarize``/``ask``/``needle``, never ``ppl``). A method that nests its selection
@@ -186,6 +187,7 @@ class Engine:
         compressing = compress and self.compresses() and not (decoding and self.method.keeps_answer)
         scores = self.method.score_window(n) if compressing else 0
         question = min(question, n) if scores and probe is None else 0  # with a probe, the probe is the question
+        held = max(min(held, n), question) if question else 0
         asks = scores > 0 and (probe is not None or question > 0)
         cache.question_scores = asks
         cache.score_window = question if asks else scores
@@ -193,7 +195,7 @@ class Engine:
         done: set[int] = set()
         try:
             if nested:
-                hidden = self._run_nested(cache, ids, done, question)
+                hidden = self._run_nested(cache, ids, done, question, held)
             else:
                 hidden = self._run(cache, ids, store=True)
             cache.stream_start += n  # before the probe, whose queries come after the block
@@ -203,7 +205,7 @@ class Engine:
                 if observe is not None:
                     observe(cache)
             if compressing:
-                self.compress(cache, n, decoding, skip=done, question=question)
+                self.compress(cache, n, decoding, skip=done, question=question, held=held)
         finally:
             cache.question_scores = False
             cache.waiting.clear()
@@ -227,11 +229,12 @@ class Engine:
         """
         return self.method.nests() and len(self.architecture.budgeted) == self.num_layers
 
-    def _run_nested(self, cache: KVCache, ids: torch.Tensor, done: set[int], question: int = 0) -> torch.Tensor:
+    def _run_nested(self, cache: KVCache, ids: torch.Tensor, done: set[int], question: int = 0,
+                    held: int = 0) -> torch.Tensor:
         """One forward in which each layer is compressed before the next runs, which processes only the
         tokens it passes on (:func:`kvcli.compression.nested_forward`); ``done`` gets the layers compressed."""
         return nested_forward(lambda: self._run(cache, ids, store=True), self.method, cache, self.decoder.layers,
-                              self.budgets, self.budget, ids.shape[1], self.device, done, question)
+                              self.budgets, self.budget, ids.shape[1], self.device, done, question, held)
 
     def _run(self, cache: KVCache, ids: torch.Tensor, store: bool) -> torch.Tensor:
         positions = self.positions.place(cache, ids.shape[1], self.device)
@@ -274,10 +277,10 @@ class Engine:
         return out
 
     def compress(self, cache: KVCache, num_new: int, decoding: bool = False, skip: set[int] = frozenset(),
-                 question: int = 0) -> None:
+                 question: int = 0, held: int = 0) -> None:
         """Let the method shrink every layer the budget governs (:func:`kvcli.compression.compress_cache`)."""
         compress_cache(self.method, cache, self.architecture.budgeted, self.budgets, self.budget, num_new, decoding,
-                       skip, question)
+                       skip, question, held)
 
     def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, max_tokens: int | None = None,
               cache: KVCache | None = None, score_from: int = 0,

@@ -38,7 +38,7 @@ from kvcli.decode import answer_steps
 from kvcli.engine import Engine, kv_bytes_per_token
 from kvcli.errors import KvcliError
 from kvcli.prompts import PromptParts, encode
-from kvcli.recap import Recap
+from kvcli.recap import Recap, word_joins
 
 #: One forward pass over this many tokens is what auto one-shot prefill allows at most on a CPU (the
 #: explicit CPU attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
@@ -243,14 +243,14 @@ class Reader:
         pending = buffered
         read = 0
 
-        def blocks(observer: Recap | None) -> None:
-            # Keep at least one token back: the last block goes through with the suffix.
+        def blocks(observer: Recap | None, flush: bool = False) -> None:
+            # Keep at least one token back, the last block going through with the suffix, unless ``flush``.
             nonlocal read
-            while len(pending) > block:
+            while len(pending) > block or (flush and pending):
                 ids = pending[:block]
                 seen = partial(observer.observe, ids=ids, start=cache.stream_start) if observer else None
                 self._forward(cache, ids, probe_ids, result, last_only=True, observe=seen)
-                read += block
+                read += len(ids)
                 del pending[:block]
                 self._progress(read, cache, started)
 
@@ -259,30 +259,34 @@ class Reader:
                 pending.extend(chunk)
             blocks(recap)
         document = read + len(pending) - len(parts.prefix)
-        if recap is not None and (again := recap.passages()):
-            result.recap_tokens = len(again)
-            pending.extend(encode(self.tokenizer, RECAP_SEPARATOR) + again)
-            blocks(None)
+        asked = len(suffix) if probe_ids is not None else 0
+        held = asked
+        if recap is not None:
+            blocks(recap, flush=True)  # the document's end too, so that the recap and question make the last block
+            if again := recap.passages(word_joins(self.tokenizer)):
+                result.recap_tokens = len(again)
+                pending.extend(encode(self.tokenizer, RECAP_SEPARATOR) + again)
+                blocks(None)
+                held += len(pending)  # the recap stays with the question (ScoredMethod.protected)
         total = read + len(pending) + len(suffix)
         result.prompt_tokens = total
         result.document_tokens = document
         # The question ends this block: its own queries score the last compression, as the probe scored
         # every compression before it (with --no-probe the block's own window decides).
-        hidden = self._forward(cache, pending + suffix, None, result, last_only=True,
-                               question=len(suffix) if probe_ids is not None else 0)
+        hidden = self._forward(cache, pending + suffix, None, result, last_only=True, question=asked, held=held)
         self._progress(total, cache, started)
         return hidden
 
     def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,
                  last_only: bool = False, question: int = 0,
-                 observe: Callable[[KVCache], None] | None = None) -> torch.Tensor:
+                 observe: Callable[[KVCache], None] | None = None, held: int = 0) -> torch.Tensor:
         """One engine forward; ``last_only``: only the last token's hidden state is used (a read), so a
         nesting method (PyramidInfer) may skip the hidden states of the tokens a layer drops; ``question``:
-        the last tokens of ``ids`` that are the question, and ``observe`` (:meth:`Engine.forward`)."""
+        the last tokens of ``ids`` that are the question; ``observe`` and ``held`` (:meth:`Engine.forward`)."""
         if not ids:
             raise KvcliError("the prompt is empty")
         hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe,
-                                     last_only=last_only, question=question, observe=observe)
+                                     last_only=last_only, question=question, observe=observe, held=held)
         result.max_cache_tokens = max(result.max_cache_tokens, cache.max_tokens())
         return hidden
 

@@ -22,12 +22,19 @@ The rules, and why:
 * The block's last ``radius`` tokens are never peaks: the probe sits right after them, and nearness
   alone draws its attention there. This also gives every peak its right-hand neighbours within its
   block; the left-hand ones may come from the block before.
+* A passage ends and begins between words: it reaches up to ``reach`` more tokens to finish a word cut by
+  its radius, or else gives up the cut word (never the peak). A number cut short teaches the model a wrong
+  number: a recap holding "key is 60494. Remember it. 6049" made SnapKV answer "6049." with the whole key
+  kept (docs/results.md). Two tokens join into one word when the first ends and the second begins with a
+  letter or digit (digits are tokens of their own in the tokenizers kvcli reads).
 * Scores, peaks and passages stay on the device until the recap is asked for, so the block loop
   never waits on the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the defaults below without it
@@ -37,6 +44,24 @@ if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the defau
 RECAP_TOKENS = 512
 #: Tokens each side of a peak that its passage keeps: a short sentence around a word the question finds.
 RADIUS = 8
+#: Tokens past its radius a passage may take on each side to finish a word (a 7-digit key is 7 tokens).
+REACH = 8
+#: Stored ids: outside the document (its edge is a word boundary), and past the block (not known yet).
+OUTSIDE, UNSEEN = -1, -2
+
+
+def word_joins(tokenizer) -> Callable[[int, int], bool]:
+    """Whether two token ids, in this order, are one word: the first's text ends and the second's begins with a
+    letter or digit ("6" "0" in "60494", "swe" "pt"), as opposed to " key" after "pass" or "." after "4"."""
+
+    @cache
+    def text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    def joins(first: int, second: int) -> bool:
+        return text(first)[-1:].isalnum() and text(second)[:1].isalnum()
+
+    return joins
 
 
 def passage_width(radius: int = RADIUS) -> int:
@@ -57,18 +82,19 @@ class Recap:
     recapped (the document's start: the chat template's prefix is never repeated).
     """
 
-    def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0):
+    def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0, reach: int = REACH):
         self.width = passage_width(radius)
-        if radius < 0 or tokens < self.width:
+        if radius < 0 or reach < 0 or tokens < self.width:
             raise ValueError(f"a recap holds at least one passage of {self.width} tokens, not {tokens}")
-        self.tokens, self.radius, self.first = tokens, radius, first
+        self.tokens, self.radius, self.first, self.reach = tokens, radius, first, reach
+        self.side = radius + reach + 1  # stored ids each side of a peak: one more shows where a word began
         # Peaks are at least ``radius + 1`` apart, so their passages overlap by at most half: twice the
         # passages that fit side by side are enough to fill the recap.
         self.slots = max(1, 2 * tokens // (radius + 1))
         self.scores: torch.Tensor | None = None  # [slots] best first
         self.starts: torch.Tensor | None = None  # [slots] stream index of each passage's first token
-        self.ids: torch.Tensor | None = None  # [slots, width] token ids, -1 outside the document
-        self.tail: torch.Tensor | None = None  # the previous block's last ``radius`` ids
+        self.ids: torch.Tensor | None = None  # [slots, 2 * side + 1] token ids, OUTSIDE / UNSEEN
+        self.tail: torch.Tensor | None = None  # the previous block's last ``side`` ids
 
     def observe(self, cache, ids: list[int], start: int) -> None:
         """Score the block ``ids`` (stream indices from ``start``) by the question's attention recorded in
@@ -79,23 +105,24 @@ class Recap:
         share = self._block_share(cache, n)
         device = share.device if share is not None else torch.device("cpu")
         block = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
-        tail, self.tail = self.tail, block[max(n - self.radius, 0):]
+        side = self.side
+        tail, self.tail = self.tail, block[max(n - side, 0):]
         if share is None:
             return
-        left = block.new_full((self.radius,), -1)  # the passages' left neighbours from the block before
+        left = block.new_full((side,), OUTSIDE)  # the passages' left neighbours from the block before
         if tail is not None and tail.numel():
-            left[self.radius - tail.numel():] = tail.to(device)
-        ext = torch.cat((left, block))
+            left[side - tail.numel():] = tail.to(device)
+        ext = torch.cat((left, block, block.new_full((side,), UNSEEN)))
         share = torch.cat((share, share.new_full((n - share.numel(),), -1.0)))  # the last radius: no peaks
         share = share.masked_fill(start + torch.arange(n, device=device) < self.first, -1.0)
         # Peaks only: a token below the best within ``radius`` of it would repeat most of that one's passage.
         nearby = torch.nn.functional.max_pool1d(share[None, None], self.width, stride=1, padding=self.radius)[0, 0]
         share = share.masked_fill(share < nearby, -1.0)
         top = share.topk(min(self.slots, n))
-        spans = top.indices[:, None] + torch.arange(self.width, device=device)  # into ext: peak - radius ...
-        passage = ext[spans.clamp(max=ext.numel() - 1)].masked_fill(spans >= ext.numel(), -1)
-        first = start + top.indices - self.radius
-        passage = passage.masked_fill(first[:, None] + torch.arange(self.width, device=device) < self.first, -1)
+        offsets = torch.arange(2 * side + 1, device=device)
+        passage = ext[top.indices[:, None] + offsets]  # into ext: peak - side ...
+        first = start + top.indices - side
+        passage = passage.masked_fill(first[:, None] + offsets < self.first, OUTSIDE)
         if self.scores is None:
             scores, starts, kept = top.values, first, passage
         else:
@@ -125,9 +152,11 @@ class Recap:
             best = share if best is None else torch.maximum(best, share)
         return best
 
-    def passages(self) -> list[int]:
+    def passages(self, joins: Callable[[int, int], bool] | None = None) -> list[int]:
         """The recap's token ids in stream order: the best passages first, as many as fit ``tokens``
-        (a passage that would overflow it is left out), overlapping passages merged."""
+        (a passage that would overflow it is left out), overlapping passages merged. ``joins``
+        (:func:`word_joins`) moves each passage's ends to word boundaries; without it a passage is its peak
+        and ``radius`` tokens each side."""
         if self.scores is None:
             return []
         scores, starts, ids = self.scores.tolist(), self.starts.tolist(), self.ids.tolist()
@@ -135,8 +164,34 @@ class Recap:
         for score, start, span in zip(scores, starts, ids, strict=True):
             if score <= 0:
                 break  # masked tokens and later ones: no peak left
-            new = {start + j: token for j, token in enumerate(span) if token >= 0 and start + j not in chosen}
+            lo, hi = self._edges(span, joins)
+            new = {start + j: span[j] for j in range(lo, hi) if span[j] >= 0 and start + j not in chosen}
             if len(chosen) + len(new) > self.tokens:
                 continue
             chosen.update(new)
         return [chosen[index] for index in sorted(chosen)]
+
+    def _edges(self, span: list[int], joins: Callable[[int, int], bool] | None) -> tuple[int, int]:
+        """Where a stored passage (its peak at ``side``) begins and ends (exclusive) between words: its radius
+        stretched by up to ``reach`` tokens to the word boundary beyond it, else pulled in to the boundary
+        within it (never past the peak), else left where the radius puts it."""
+        peak = self.side
+        lo, hi = peak - self.radius, peak + self.radius + 1
+        if joins is None:
+            return lo, hi
+
+        def cut(i: int) -> bool | None:  # a boundary between span[i - 1] and span[i]; None: not known
+            before, after = span[i - 1], span[i]
+            if OUTSIDE in (before, after):
+                return True
+            if UNSEEN in (before, after):
+                return None
+            return not joins(before, after)
+
+        outward = [i for i in range(lo, 0, -1) if cut(i)]
+        inward = [i for i in range(lo + 1, peak + 1) if cut(i)]
+        start = outward[0] if outward else inward[0] if inward else lo
+        outward = [i for i in range(hi, len(span)) if cut(i)]
+        inward = [i for i in range(hi - 1, peak, -1) if cut(i)]
+        end = outward[0] if outward else inward[0] if inward else hi
+        return start, end

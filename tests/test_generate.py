@@ -46,9 +46,10 @@ def spy_forward(engine: Engine) -> list[dict]:
     calls: list[dict] = []
     original = engine.forward
 
-    def forward(cache, ids, probe=None, compress=True, decoding=False, last_only=False, question=0, observe=None):
+    def forward(cache, ids, probe=None, compress=True, decoding=False, last_only=False, question=0, observe=None,
+                held=0):
         hidden = original(cache, ids, probe=probe, compress=compress, decoding=decoding, last_only=last_only,
-                          question=question, observe=observe)
+                          question=question, observe=observe, held=held)
         calls.append({"ids": ids[0].tolist(), "probe": None if probe is None else probe[0].tolist(),
                       "lengths": cache.lengths(), "decoding": decoding, "last_only": last_only,
                       "question": question})
@@ -440,3 +441,24 @@ def test_a_scored_method_keeps_the_question_up_to_half_its_room():
         kept = set(keep[0].tolist())
         assert len(kept) == budget
         assert {t for t in range(50, 60) if t in kept} == set(range(60 - kept_question, 60))
+
+
+def test_a_scored_method_keeps_what_is_held_with_the_question_up_to_three_quarters_of_its_room():
+    """The recap read before the question (``held``: 30 tokens with the question's 10) stays whatever it scores,
+    up to three quarters of what a layer keeps beside its sinks; the question alone keeps its half."""
+    from support import append_tokens, make_cache
+
+    from kvcli.cache import AttentionRecord, LayerView
+
+    method = make_method("snapkv", {"window": 4, "kernel": 1})
+    for budget, held, kept_tail in ((40, 30, 30), (20, 30, 15), (12, 0, 6)):
+        cache = make_cache(num_layers=1, kv_heads=1)
+        append_tokens(cache, 60)
+        layer = cache.layers[0]
+        probs = torch.zeros(1, 1, 60)
+        probs[..., :30] = torch.linspace(1.0, 0.5, 30)  # the early text outscores the recap and question
+        layer.record = AttentionRecord(probs, 10, probs, own=10)
+        keep = method.compress(LayerView(0, 1, layer, 60, layer.record, question=10, held=held), budget)
+        kept = set(keep[0].tolist())
+        assert len(kept) == budget
+        assert {t for t in range(30, 60) if t in kept} == set(range(60 - kept_tail, 60))

@@ -13,7 +13,7 @@ from kvcli.generate import RECAP_SEPARATOR, Reader
 from kvcli.methods import make_method
 from kvcli.models import tiny_llama
 from kvcli.prompts import PromptParts
-from kvcli.recap import Recap, scored_layers
+from kvcli.recap import Recap, scored_layers, word_joins
 
 LAYERS = 12  # scored: layers 4 to 10
 
@@ -74,6 +74,44 @@ def test_the_prompt_before_the_document_is_never_recapped():
     assert recap.passages() == [104, 105, 106, 107, 108]
 
 
+def pairs(*words: range) -> set[tuple[int, int]]:
+    """The adjacent ids of each range: tokens that make one word."""
+    return {(a, a + 1) for word in words for a in word[:-1]}
+
+
+def test_a_passage_stretches_to_finish_the_words_its_radius_cuts():
+    joined = pairs(range(106, 109), range(112, 115))  # words 106-108 and 112-114 across the radius's edges
+    plain, recap = Recap(5, radius=2, reach=2), Recap(9, radius=2, reach=2)  # room for the one passage
+    for each in (plain, recap):
+        each.observe(fake_cache(20, {10: 90.0}), list(range(100, 120)), start=0)
+    assert plain.passages() == [108, 109, 110, 111, 112]  # without word boundaries: the radius
+    assert recap.passages(lambda a, b: (a, b) in joined) == list(range(106, 115))
+
+
+def test_a_word_longer_than_the_reach_is_left_out_but_never_the_peak():
+    recap = Recap(5, radius=2, reach=2)
+    recap.observe(fake_cache(20, {10: 90.0}), list(range(100, 120)), start=0)
+    # 112-119 is one word: no boundary within two tokens past the radius, so the passage stops before it.
+    assert recap.passages(lambda a, b: (a, b) in pairs(range(112, 120))) == [108, 109, 110, 111]
+    # The peak inside a long word on both sides: the radius stays.
+    assert recap.passages(lambda a, b: (a, b) in pairs(range(100, 120))) == [108, 109, 110, 111, 112]
+
+
+def test_a_word_running_past_the_block_is_not_known_to_end_and_the_document_start_is_a_boundary():
+    recap = Recap(7, radius=2, reach=2, first=3)
+    recap.observe(fake_cache(12, {5: 90.0, 9: 80.0}), list(range(100, 112)), start=0)
+    joined = pairs(range(100, 106), range(110, 112))
+    # Peak 5: the word 100-105 begins before the document (stream 3), whose start is a boundary.
+    # Peak 9: its radius ends at the block's last token, inside a word that the next block may go on with.
+    assert recap.passages(lambda a, b: (a, b) in joined) == [103, 104, 105, 106, 107, 108, 109]
+
+
+def test_tokens_join_into_a_word_when_letters_or_digits_meet():
+    joins = word_joins(Tokenizer())
+    assert joins(ord("6"), ord("0")) and joins(ord("s"), ord("w"))
+    assert not joins(ord("s"), ord(" ")) and not joins(ord(" "), ord("k")) and not joins(ord("4"), ord("."))
+
+
 def test_without_recorded_question_attention_there_is_no_recap():
     cache = fake_cache(10, {})
     for layer in cache.layers:
@@ -110,13 +148,16 @@ def ids_of(n: int, seed: int) -> list[int]:
     return torch.randint(20, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def read_with(model, recap: int, method: str = "snapkv"):
-    engine = Engine(model, make_method(method), 32, block=16)
+def read_with(model, recap: int, method: str = "snapkv", last: dict | None = None, block: int = 16):
+    """A streamed read of a document with a question; ``last`` gets the last read forward's ids and ``held``."""
+    engine = Engine(model, make_method(method), 32, block=block)
     calls = []
     original = engine.forward
 
     def forward(cache, ids, **kwargs):
         calls.append(ids[0].tolist())
+        if last is not None and not kwargs.get("decoding"):
+            last.update(ids=ids[0].tolist(), held=kwargs.get("held", 0))
         return original(cache, ids, **kwargs)
 
     engine.forward = forward
@@ -138,6 +179,16 @@ def test_the_recap_is_read_after_the_document_and_before_the_question(model):
     assert all(token in doc for token in again)
     assert gen.document_tokens == len(doc)
     assert gen.prompt_tokens == len(prefix) + len(doc) + len(separator) + gen.recap_tokens + len(suffix)
+
+
+def test_the_recap_and_the_question_are_the_last_block_and_are_held_together(model):
+    last: dict = {}
+    gen, _, _, _, suffix = read_with(model, recap=20, last=last, block=40)
+    separator = [ord(c) for c in RECAP_SEPARATOR]
+    assert 0 < gen.recap_tokens and last["held"] == len(separator) + gen.recap_tokens + len(suffix) == len(last["ids"])
+    plain: dict = {}
+    read_with(model, recap=0, last=plain, block=40)
+    assert plain["held"] == len(suffix) < len(plain["ids"])  # the document's end goes with the question
 
 
 def test_no_recap_when_off_or_when_the_method_scores_nothing(model):

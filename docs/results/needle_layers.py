@@ -4,24 +4,29 @@
 
 Arguments: book, method, depth index into the default depths (10, 30, 50, 70, 90 %) or ``DEPTHS:INDEX``
 (``0.2,0.5,0.8:1``: the second haystack of ``kvcli needle --depths 0.2,0.5,0.8``), haystack length, then
-``-o`` options as KEY=VALUE; ``prefix=none`` reads and answers as ``kvcli ask`` does, with no answer prefix.
-The haystack and key are those of ``kvcli needle --trials 1`` (seed 0); the read
-is streamed with the question as a probe (as ``kvcli ask`` reads a long document) at cache 1024, block 256.
-Prints the digits kept per layer (one figure per KV head; the needle writes the key twice, so 10 at most)
-and the answer.
+``-o`` options as KEY=VALUE; ``prefix=none`` reads and answers as ``kvcli ask`` does, with no answer prefix;
+``block=N`` and ``recap=N`` set the read's block and recap (default: ``kvcli ask``'s, 1024 and 512),
+``cache=N`` the cache (1024), ``oneshot=1`` reads the document in one forward as ``kvcli ask`` reads one that
+fits the context. The haystack and key are those of ``kvcli needle --trials 1 --fixed`` (seed 0); otherwise the
+read is streamed with the question as a probe (as ``kvcli ask`` reads a long document).
+Prints the digits kept per layer (one figure per KV head; the needle writes the key twice, so 10 at most),
+for each layer whose heads do not keep every digit which ones each head lacks (``6049_`` : the last digit),
+whether the recap re-read the key, and the answer.
 """
 
 from __future__ import annotations
 
 import sys
 
+from kvcli.cli.options import READ_BLOCK
 from kvcli.documents import open_source
 from kvcli.engine import Engine
-from kvcli.generate import Generation, Reader
+from kvcli.generate import RECAP_SEPARATOR, Generation, Reader
 from kvcli.methods import make_method
 from kvcli.models import load_model
 from kvcli.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, is_correct
-from kvcli.prompts import build_prompt, question_instruction, stop_token_ids
+from kvcli.prompts import build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.recap import RECAP_TOKENS, Recap
 
 
 def main() -> None:
@@ -30,6 +35,8 @@ def main() -> None:
     depths, depth_index = ([float(d) for d in depths.split(",")] if depths else DEFAULT_DEPTHS), int(index)
     options = dict(item.split("=", 1) for item in sys.argv[5:])
     prefix = "" if options.pop("prefix", None) == "none" else ANSWER_PREFIX
+    block, recap = int(options.pop("block", READ_BLOCK)), int(options.pop("recap", RECAP_TOKENS))
+    budget, one_shot = int(options.pop("cache", 1024)), options.pop("oneshot", "0") == "1"
     loaded = load_model("smollm2-135m")
     tokenizer = loaded.tokenizer
     tokens = book_tokens(open_source(book), tokenizer)
@@ -37,18 +44,39 @@ def main() -> None:
     key, doc = stack.key, stack.doc
     parts = build_prompt(tokenizer, question_instruction(QUESTION, prefix))
     stream = parts.prefix + doc
-    digits = [i + j for i in range(len(stream) - 5) if tokenizer.decode(stream[i:i + 5]) == key for j in range(5)]
-    engine = Engine(loaded.model, make_method(method, options), 1024, block=256)
-    reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model))
+    width = len(key)
+    digits = [i + j for i in range(len(stream) - width) if tokenizer.decode(stream[i:i + width]) == key
+              for j in range(width)]
+    engine = Engine(loaded.model, make_method(method, options), budget, block=block)
+    reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model), recap=recap)
+    recapped: list[int] = []
+    passages = Recap.passages
+    Recap.passages = lambda self, joins=None: recapped.extend(passages(self, joins)) or list(recapped)  # type: ignore[method-assign]
     result, cache = Generation(), engine.new_cache()
-    hidden = reader.read(cache, parts, [doc], result, one_shot=False, limit=0, probe=True)
-    kept = []
+    hidden = reader.read(cache, parts, [doc], result, one_shot=one_shot, limit=None if one_shot else 0,
+                         probe=True)
+    recap_at = len(stream) + len(encode(tokenizer, RECAP_SEPARATOR))
+    again = [recap_at + i + j for i in range(len(recapped) - width + 1)
+             if tokenizer.decode(recapped[i:i + width]) == key for j in range(width)]
+    kept, lacking = [], []
     for idx, layer in enumerate(cache.layers):
-        per_head = [sum(int((head == d).any()) for d in digits) for head in layer.token_idx]
-        kept.append(f"{idx}:{'/'.join(map(str, per_head))}")
+        held = [[bool((head == d).any()) for d in digits] for head in layer.token_idx]
+        kept.append(f"{idx}:{'/'.join(str(sum(h)) for h in held)}")
+        if not all(all(h) for h in held):
+            lacking.append(f"{idx}:" + "/".join("".join(key[j % width] if h[j] else "_" for j in range(len(h)))
+                                                for h in held))
     print(f"key {key}, digit tokens at {digits}")
     print("digits kept per layer (per KV head):", " ".join(kept))
-    reader.write(cache, hidden, result, 12)
+    print("layers missing digits (per KV head, both copies):", " ".join(lacking) or "none")
+    if again:
+        print("the recap's copy, digits kept per layer (per KV head):", " ".join(
+            f"{idx}:{'/'.join(str(sum(int((head == d).any()) for d in again)) for head in layer.token_idx)}"
+            for idx, layer in enumerate(cache.layers)))
+    text = tokenizer.decode(recapped)
+    at = text.find(key)
+    found = f"the key in {text[max(at - 80, 0):at + 40]!r}" if at >= 0 else "no key"
+    print(f"recap: {len(recapped)} tokens, {found}")
+    reader.write(cache, hidden, result, 32)
     print("answer", repr(result.text), "correct" if is_correct(result.text.strip(), key) else "miss")
 
 

@@ -287,14 +287,18 @@ class ScoredMethod(Method):
         Beyond the papers: the question (:attr:`LayerView.question`) is what the answer is written from,
         so it stays where the method's window is shorter (PyramidKV's 8), up to half of what the layer
         keeps beside its sinks, so that a small top layer still has room for what the question asks
-        about (measured in docs/methods.md).
+        about (measured in docs/methods.md). The recap read before the question (:attr:`LayerView.held`)
+        stays with it, up to three quarters: it was read so that every layer and head holds what the
+        question pointed at, and scored by the question's queries a top layer would drop part of it again
+        (a key's last digit: docs/results.md).
         """
         return recent_and_sinks(*self._protected_span(view, budget, count), view.layer.device)
 
     def _protected_span(self, view: LayerView, budget: int, count: int) -> tuple[int, int, int]:
         """``(length, sinks, recent)`` of :meth:`protected`."""
-        question = min(view.question, max(count - self.sinks, 0) // 2)
-        return view.length, self.sinks, max(self.kept_recent(view, budget), question)
+        room = max(count - self.sinks, 0)
+        tail = max(min(view.question, room // 2), min(view.held, room * 3 // 4))
+        return view.length, self.sinks, max(self.kept_recent(view, budget), tail)
 
 
 @dataclass
