@@ -49,7 +49,8 @@ class SnapKV(ScoredMethod):
     keeps_answer = True
     description = ("Keep the tokens the last `window` queries attend to most (pooled over `kernel` "
                    "neighbours, per KV head) plus the window itself. Reading with a question (ask): the "
-                   "question's queries are the window and the question is kept (beyond the paper).")
+                   "question's queries are the window and the question, with the recap read before it, is kept "
+                   "(beyond the paper).")
     window: int = param(32, "observation window: how many of a block's last queries score the cache")
     kernel: int = param(15, "pooling width along the sequence (odd; 1 = no pooling; SnapKV's code and kvpress "
                             "pool 5 with avg, KVCache-Factory 7 with max)")
