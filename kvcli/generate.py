@@ -243,10 +243,10 @@ class Reader:
         pending = buffered
         read = 0
 
-        def blocks(observer: Recap | None, flush: bool = False) -> None:
-            # Keep at least one token back, the last block going through with the suffix, unless ``flush``.
+        def blocks(observer: Recap | None) -> None:
+            # Keep at least one token back: the last block goes through with the suffix.
             nonlocal read
-            while len(pending) > block or (flush and pending):
+            while len(pending) > block:
                 ids = pending[:block]
                 seen = partial(observer.observe, ids=ids, start=cache.stream_start) if observer else None
                 self._forward(cache, ids, probe_ids, result, last_only=True, observe=seen)
@@ -261,13 +261,12 @@ class Reader:
         document = read + len(pending) - len(parts.prefix)
         asked = len(suffix) if probe_ids is not None else 0
         held = asked
-        if recap is not None:
-            blocks(recap, flush=True)  # the document's end too, so that the recap and question make the last block
-            if again := recap.passages(word_joins(self.tokenizer)):
-                result.recap_tokens = len(again)
-                pending.extend(encode(self.tokenizer, RECAP_SEPARATOR) + again)
-                blocks(None)
-                held += len(pending)  # the recap stays with the question (ScoredMethod.protected)
+        if recap is not None and (again := recap.passages(word_joins(self.tokenizer))):
+            result.recap_tokens = len(again)
+            again = encode(self.tokenizer, RECAP_SEPARATOR) + again
+            pending.extend(again)
+            blocks(None)
+            held += min(len(again), len(pending))  # what the last block holds of the recap stays with the question
         total = read + len(pending) + len(suffix)
         result.prompt_tokens = total
         result.document_tokens = document
