@@ -463,9 +463,9 @@ class LayerView:
     #: The layer's last ``question`` tokens are the reader's question (and the assistant's start): a
     #: scored method keeps them, since the answer is written from them.
     question: int = 0
-    #: The layer's last ``held`` tokens (the question and what the reader put right before it: the recap of
-    #: a streamed ``ask``) are kept by a scored method whatever they score, within a share of the layer
-    #: (:meth:`kvcli.methods.base.ScoredMethod.protected`).
+    #: The layer's last ``held`` tokens (the question and what the reader put right before it: after the recap
+    #: of a streamed ``ask``, the whole last block) are kept by a scored method whatever they score, within a
+    #: share of the layer (:meth:`kvcli.methods.base.ScoredMethod.protected`).
     held: int = 0
 
     @property

@@ -266,7 +266,7 @@ class Reader:
             again = encode(self.tokenizer, RECAP_SEPARATOR) + again
             pending.extend(again)
             blocks(None)
-            held += min(len(again), len(pending))  # what the last block holds of the recap stays with the question
+            held += len(pending)  # the last block, the recap in it, stays with the question
         total = read + len(pending) + len(suffix)
         result.prompt_tokens = total
         result.document_tokens = document

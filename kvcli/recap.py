@@ -27,8 +27,8 @@ The rules, and why:
   number: a recap holding "key is 60494. Remember it. 6049" made SnapKV answer "6049." with the whole key
   kept (docs/results.md). Two tokens join into one word when the first ends and the second begins with a
   letter or digit (digits are tokens of their own in the tokenizers kvcli reads).
-* The recap and the question end the last block, and a scored method keeps the recap there with
-  the question (:attr:`kvcli.cache.LayerView.held`): it was read so that every layer and head holds what
+* The recap and the question end the last block, and a scored method keeps that block whole with the
+  question (:attr:`kvcli.cache.LayerView.held`): the recap was read so that every layer and head holds what
   the question pointed at, and the question's queries alone would let a top layer drop part of it again.
 * Scores, peaks and passages stay on the device until the recap is asked for, so the block loop
   never waits on the host.

@@ -287,10 +287,10 @@ class ScoredMethod(Method):
         Beyond the papers: the question (:attr:`LayerView.question`) is what the answer is written from,
         so it stays where the method's window is shorter (PyramidKV's 8), up to half of what the layer
         keeps beside its sinks, so that a small top layer still has room for what the question asks
-        about (measured in docs/methods.md). The recap read before the question (:attr:`LayerView.held`)
-        stays with it, up to three quarters: it was read so that every layer and head holds what the
+        about (measured in docs/methods.md). After a recap the whole last block (:attr:`LayerView.held`)
+        stays with it, up to three quarters: the recap was read so that every layer and head holds what the
         question pointed at, and scored by the question's queries a top layer would drop part of it again
-        (a key's last digit: docs/results.md).
+        (a key's last digit: docs/reading.md).
         """
         return recent_and_sinks(*self._protected_span(view, budget, count), view.layer.device)
 
