@@ -263,8 +263,7 @@ class Reader:
         held = asked
         if recap is not None and (again := recap.passages(word_joins(self.tokenizer))):
             result.recap_tokens = len(again)
-            again = encode(self.tokenizer, RECAP_SEPARATOR) + again
-            pending.extend(again)
+            pending.extend(encode(self.tokenizer, RECAP_SEPARATOR) + again)
             blocks(None)
             held += len(pending)  # the last block, the recap in it, stays with the question
         total = read + len(pending) + len(suffix)

@@ -23,9 +23,8 @@ The rules, and why:
   alone draws its attention there. This also gives every peak its right-hand neighbours within its
   block; the left-hand ones may come from the block before.
 * A passage ends and begins between words: it reaches up to ``reach`` more tokens to finish a word cut by
-  its radius, or else gives up the cut word (never the peak). A number cut short teaches the model a wrong
-  number: a recap holding "key is 60494. Remember it. 6049" made SnapKV answer "6049." with the whole key
-  kept (docs/results.md). Two tokens join into one word when the first ends and the second begins with a
+  its radius, or else gives up the cut word (never the peak): a number cut short teaches the model a wrong
+  number (docs/reading.md). Two tokens join into one word when the first ends and the second begins with a
   letter or digit (digits are tokens of their own in the tokenizers kvcli reads).
 * The recap and the question end the last block, and a scored method keeps that block whole with the
   question (:attr:`kvcli.cache.LayerView.held`): the recap was read so that every layer and head holds what
@@ -38,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from itertools import chain
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the defaults below without it
@@ -191,10 +191,7 @@ class Recap:
                 return None
             return not joins(before, after)
 
-        outward = [i for i in range(lo, 0, -1) if cut(i)]
-        inward = [i for i in range(lo + 1, peak + 1) if cut(i)]
-        start = outward[0] if outward else inward[0] if inward else lo
-        outward = [i for i in range(hi, len(span)) if cut(i)]
-        inward = [i for i in range(hi - 1, peak, -1) if cut(i)]
-        end = outward[0] if outward else inward[0] if inward else hi
+        # The first boundary outward, else the first inward (towards the peak), else the radius's edge.
+        start = next((i for i in chain(range(lo, 0, -1), range(lo + 1, peak + 1)) if cut(i)), lo)
+        end = next((i for i in chain(range(hi, len(span)), range(hi - 1, peak, -1)) if cut(i)), hi)
         return start, end
