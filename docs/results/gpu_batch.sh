@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session's batch for issue #27, run from the project root on the lent machine (device tool, with
-# `.gpu-wheels` carried; ../shared/gpu/README.md): the issue's bench-speed lines, the CUDA tests, and a
+# `.gpu-wheels` carried; ../shared/gpu/README.md): the issue's bench-speed lines (prefill, then decode
+# apart so that a failing decode loses only itself), the CUDA tests, and a
 # 1M-token stream. Each step has its own time limit and writes into $OUT, so a slow step loses only itself.
-#   bash docs/results/gpu_batch.sh [bench] [tests] [stream]   (default: all three, in that order)
+#   bash docs/results/gpu_batch.sh [bench] [decode] [tests] [stream]   (default: all four, in that order)
 #   bash docs/results/gpu_batch.sh setup                      (only the install, before commands of your own)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,19 +16,22 @@ python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q --no-in
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-steps=${*:-bench tests stream}
+steps=${*:-bench decode tests stream}
 for step in $steps; do
   started=$(date +%s)
   case $step in
     setup)  ;;
-    bench)  timeout 200 python3 -m kvcli bench-speed --shape llama-3.1-8b \
-              --methods streamingllm,treekv,snapkv,pyramidkv,h2o --decode 64 --json >"$OUT/speed-8b.json" ;;
-    tests)  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs \
+    bench)  timeout 180 python3 -m kvcli bench-speed --shape llama-3.1-8b \
+              --methods streamingllm,treekv,snapkv,pyramidkv,h2o --json >"$OUT/speed-8b.json" ;;
+    decode) timeout 120 python3 -m kvcli bench-speed --shape llama-3.1-8b \
+              --methods streamingllm,treekv,snapkv,pyramidkv --tokens 8192 --decode 64 --json \
+              >"$OUT/decode-8b.json" ;;
+    tests)  timeout 100 python3 -m pytest -q -p no:cacheprovider -rs \
               tests/test_decode.py tests/test_attention.py tests/test_overhead.py >"$OUT/tests.txt" 2>&1
             tail -5 "$OUT/tests.txt" ;;
-    stream) timeout 200 python3 -m kvcli bench-speed --shape llama-3.1-8b --methods treekv \
+    stream) timeout 150 python3 -m kvcli bench-speed --shape llama-3.1-8b --methods treekv \
               --tokens 1048576 --json >"$OUT/stream-1m-8b.json" ;;
-    *)      echo "unknown step $step (bench, tests, stream or setup)" >&2; exit 2 ;;
+    *)      echo "unknown step $step (bench, decode, tests, stream or setup)" >&2; exit 2 ;;
   esac
   echo "== $step: rc $? in $(( $(date +%s) - started )) s"
 done
