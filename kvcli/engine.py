@@ -78,6 +78,15 @@ def nll_chunk(device: torch.device | str, vocab: int) -> int:
     return max(NLL_ROWS_CPU, NLL_VALUES_GPU // vocab)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``. A CPU tensor bound for a GPU is copied from pinned memory without blocking:
+    a copy from ordinary (pageable) memory makes the host wait for every kernel already queued, a
+    host-device sync at every block that leaves the GPU idle while the next block is launched."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def default_block(device: torch.device | str) -> int:
     """The block size kvcli uses on ``device`` unless told otherwise (``--block auto``)."""
     return DEFAULT_BLOCK.get(torch.device(device).type, DEFAULT_BLOCK["cpu"])
@@ -241,7 +250,7 @@ class Engine:
         cache.probing = not store
         cache.plan_rotation()
         try:
-            out = self.decoder(input_ids=ids.to(self.device), position_ids=positions, past_key_values=cache,
+            out = self.decoder(input_ids=to_device(ids, self.device), position_ids=positions, past_key_values=cache,
                                use_cache=True, kvcli_cache=cache)
             settle(cache)  # every layer's window scores, recorded before anything reads them
         finally:
@@ -265,7 +274,7 @@ class Engine:
         (``kvcli ppl --save-logits/--kl-base``).
         """
         out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
-        targets = targets.to(hidden.device)
+        targets = to_device(targets, hidden.device)
         chunk = chunk or nll_chunk(hidden.device, self.head.out_features)
         for i in range(0, targets.shape[0], chunk):
             logits = self.head(hidden[i:i + chunk]).float()

@@ -240,9 +240,11 @@ def blocks_of(chunks: Iterable[list[int] | torch.Tensor], size: int,
             ids = ids[: limit - taken]
         taken += len(ids)
         pending.extend(ids)
-        while len(pending) >= size:
-            yield torch.tensor(pending[:size], dtype=torch.long)
-            pending = pending[size:]
+        start = 0  # blocks are read from an offset and the list trimmed once per chunk: linear in the chunk,
+        while len(pending) - start >= size:  # where re-slicing the rest after every block is quadratic
+            yield torch.tensor(pending[start:start + size], dtype=torch.long)
+            start += size
+        del pending[:start]
         if limit is not None and taken >= limit:
             break
     if pending:

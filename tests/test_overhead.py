@@ -124,6 +124,38 @@ def test_no_host_device_sync_inside_a_block_on_cuda(name):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_block_read_from_host_memory_does_not_wait_for_the_gpu():
+    """The stream's blocks and targets come from the host (token lists): copying them to the GPU must not
+    wait for the kernels already queued, or the card idles while each next block is launched."""
+    model = tiny_llama(num_layers=4, hidden=64, heads=4, kv_heads=2, seed=0).cuda()
+    ids = torch.randint(0, 128, (BUDGET + 4 * BLOCK,), generator=torch.Generator().manual_seed(0))
+    engine = Engine(model, make_method("snapkv"), BUDGET, block=BLOCK)
+    cache = engine.new_cache()
+    for start in range(0, BUDGET + 2 * BLOCK, BLOCK):
+        engine.forward(cache, ids[None, start:start + BLOCK])
+    block = ids[BUDGET + 2 * BLOCK:BUDGET + 3 * BLOCK]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hidden = engine.forward(cache, block[None])
+        nll = engine.token_nll(hidden[:-1], block[1:])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert nll.device.type == "cuda" and nll.shape == (BLOCK - 1,) and bool(torch.isfinite(nll).all())
+
+
+def test_blocks_of_cuts_one_long_chunk_exactly():
+    """A long stream in one chunk, cut from an offset (the rest is no longer re-sliced after every block):
+    every token once, in order, the short block last."""
+    from kvcli.engine import blocks_of
+
+    tokens = list(range(100_003))
+    blocks = list(blocks_of([tokens], 1000))
+    assert [len(b) for b in blocks] == [1000] * 100 + [3]
+    assert torch.cat(blocks).tolist() == tokens
+
+
 def test_lagged_host_reads_give_the_same_totals_and_block_stats():
     """On a GPU each block's NLL is read one block late (the device never waits for the host); the totals,
     the per-block curve and an interrupted stream's tokens must be exactly what reading at once gives."""
