@@ -462,3 +462,25 @@ def test_a_scored_method_keeps_what_is_held_with_the_question_up_to_three_quarte
         kept = set(keep[0].tolist())
         assert len(kept) == budget
         assert {t for t in range(30, 60) if t in kept} == set(range(60 - kept_tail, 60))
+
+
+def test_a_layer_below_the_mean_budget_holds_less_and_leaves_a_quarter_of_the_mean_to_the_scores():
+    """PyramidKV's top layers keep far fewer tokens than the mean: what is held after a recap takes at most the
+    layer's room less a quarter of the mean room, so a small layer still keeps what scores best elsewhere; a
+    layer at the mean (every layer of SnapKV) holds its three quarters as before."""
+    from support import append_tokens, make_cache
+
+    from kvcli.cache import AttentionRecord, LayerView
+
+    method = make_method("snapkv", {"window": 4, "kernel": 1})
+    for budget, mean, kept_tail in ((40, 40, 30), (24, 40, 14), (12, 40, 6)):
+        cache = make_cache(num_layers=1, kv_heads=1)
+        append_tokens(cache, 60)
+        layer = cache.layers[0]
+        probs = torch.zeros(1, 1, 60)
+        probs[..., :30] = torch.linspace(1.0, 0.5, 30)  # the early text outscores the recap and question
+        layer.record = AttentionRecord(probs, 10, probs, own=10)
+        view = LayerView(0, 1, layer, 60, layer.record, mean_budget=mean, question=10, held=30)
+        kept = set(method.compress(view, budget)[0].tolist())
+        assert len(kept) == budget
+        assert {t for t in range(30, 60) if t in kept} == set(range(60 - kept_tail, 60))

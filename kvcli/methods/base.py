@@ -290,14 +290,18 @@ class ScoredMethod(Method):
         about (measured in docs/methods.md). After a recap the whole last block (:attr:`LayerView.held`)
         stays with it, up to three quarters: the recap was read so that every layer and head holds what the
         question pointed at, and scored by the question's queries a top layer would drop part of it again
-        (a key's last digit: docs/reading.md).
+        (a key's last digit: docs/reading.md). A layer below the mean budget (PyramidKV's top layers) holds
+        less, its room less a quarter of the mean room, so that it keeps as many scored tokens of the rest of
+        the book as an average layer would; a layer at the mean holds its three quarters.
         """
         return recent_and_sinks(*self._protected_span(view, budget, count), view.layer.device)
 
     def _protected_span(self, view: LayerView, budget: int, count: int) -> tuple[int, int, int]:
         """``(length, sinks, recent)`` of :meth:`protected`."""
         room = max(count - self.sinks, 0)
-        tail = max(min(view.question, room // 2), min(view.held, room * 3 // 4))
+        mean_room = max((view.mean_budget or budget) - self.sinks, 0)
+        held_room = min(room * 3 // 4, room - mean_room // 4)
+        tail = max(min(view.question, room // 2), min(view.held, held_room))
         return view.length, self.sinks, max(self.kept_recent(view, budget), tail)
 
 

@@ -68,7 +68,8 @@ class PyramidKV(SnapKV):
     description = ("SnapKV selection (alpha = `window` = 8) under per-layer budgets decreasing "
                    "arithmetically from bottom to top (`beta` sets the top layer; default 5, the paper's 20 "
                    "in the pyramidkv-paper preset; beyond the paper), averaging --cache. With a question, "
-                   "as snapkv.")
+                   "as snapkv, except that a layer below the mean budget holds less of the recap's block "
+                   "(beyond the paper).")
     window: int = param(8, "observation window alpha: the last queries that score the cache (paper: 8)")
     beta: float = param(5.0, "pyramid shape: the top layer selects (cache - sinks - recent) / beta tokens "
                         "(beyond the paper: its 20 leaves a 30-layer model's top layers 25 tokens at cache 512; "
