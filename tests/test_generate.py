@@ -443,44 +443,37 @@ def test_a_scored_method_keeps_the_question_up_to_half_its_room():
         assert {t for t in range(50, 60) if t in kept} == set(range(60 - kept_question, 60))
 
 
-def test_a_scored_method_keeps_what_is_held_with_the_question_up_to_three_quarters_of_its_room():
-    """The recap read before the question (``held``: 30 tokens with the question's 10) stays whatever it scores,
-    up to three quarters of what a layer keeps beside its sinks; the question alone keeps its half."""
+def held_tail(budget: int, held: int, mean: int | None = None) -> int:
+    """How many of the last 30 of 60 tokens (a recap and a question of 10) SnapKV keeps at ``budget`` when the
+    early text outscores them: what it holds whatever they score. Asserts the kept count and that the tail is
+    contiguous."""
     from support import append_tokens, make_cache
 
     from kvcli.cache import AttentionRecord, LayerView
 
     method = make_method("snapkv", {"window": 4, "kernel": 1})
-    for budget, held, kept_tail in ((40, 30, 30), (20, 30, 15), (12, 0, 6)):
-        cache = make_cache(num_layers=1, kv_heads=1)
-        append_tokens(cache, 60)
-        layer = cache.layers[0]
-        probs = torch.zeros(1, 1, 60)
-        probs[..., :30] = torch.linspace(1.0, 0.5, 30)  # the early text outscores the recap and question
-        layer.record = AttentionRecord(probs, 10, probs, own=10)
-        keep = method.compress(LayerView(0, 1, layer, 60, layer.record, question=10, held=held), budget)
-        kept = set(keep[0].tolist())
-        assert len(kept) == budget
-        assert {t for t in range(30, 60) if t in kept} == set(range(60 - kept_tail, 60))
+    cache = make_cache(num_layers=1, kv_heads=1)
+    append_tokens(cache, 60)
+    layer = cache.layers[0]
+    probs = torch.zeros(1, 1, 60)
+    probs[..., :30] = torch.linspace(1.0, 0.5, 30)  # the early text outscores the recap and question
+    layer.record = AttentionRecord(probs, 10, probs, own=10)
+    view = LayerView(0, 1, layer, 60, layer.record, mean_budget=mean, question=10, held=held)
+    kept = set(method.compress(view, budget)[0].tolist())
+    tail = {t for t in range(30, 60) if t in kept}
+    assert len(kept) == budget
+    assert tail == set(range(60 - len(tail), 60))
+    return len(tail)
+
+
+def test_a_scored_method_keeps_what_is_held_with_the_question_up_to_three_quarters_of_its_room():
+    """The recap read before the question (``held``: 30 tokens with the question's 10) stays whatever it scores,
+    up to three quarters of what a layer keeps beside its sinks; the question alone keeps its half."""
+    assert [held_tail(budget, held) for budget, held in ((40, 30), (20, 30), (12, 0))] == [30, 15, 6]
 
 
 def test_a_layer_below_the_mean_budget_holds_less_and_leaves_a_quarter_of_the_mean_to_the_scores():
     """PyramidKV's top layers keep far fewer tokens than the mean: what is held after a recap takes at most the
     layer's room less a quarter of the mean room, so a small layer still keeps what scores best elsewhere; a
     layer at the mean (every layer of SnapKV) holds its three quarters as before."""
-    from support import append_tokens, make_cache
-
-    from kvcli.cache import AttentionRecord, LayerView
-
-    method = make_method("snapkv", {"window": 4, "kernel": 1})
-    for budget, mean, kept_tail in ((40, 40, 30), (24, 40, 14), (12, 40, 6)):
-        cache = make_cache(num_layers=1, kv_heads=1)
-        append_tokens(cache, 60)
-        layer = cache.layers[0]
-        probs = torch.zeros(1, 1, 60)
-        probs[..., :30] = torch.linspace(1.0, 0.5, 30)  # the early text outscores the recap and question
-        layer.record = AttentionRecord(probs, 10, probs, own=10)
-        view = LayerView(0, 1, layer, 60, layer.record, mean_budget=mean, question=10, held=30)
-        kept = set(method.compress(view, budget)[0].tolist())
-        assert len(kept) == budget
-        assert {t for t in range(30, 60) if t in kept} == set(range(60 - kept_tail, 60))
+    assert [held_tail(budget, 30, mean=40) for budget in (40, 24, 12)] == [30, 14, 6]
