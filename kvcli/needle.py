@@ -11,18 +11,23 @@ not hold for one phrasing only. Every method sees the same haystacks and keys.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from kvcli.engine import Engine, check_budget
-from kvcli.errors import UsageError
+from kvcli.errors import KvcliError, UsageError
 from kvcli.generate import Reader
+from kvcli.outputs import RowLog
 from kvcli.prompts import build_prompt, encode, question_instruction, stop_token_ids
 from kvcli.recap import RECAP_TOKENS
+from kvcli.report import dumps
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer with the number only."
@@ -120,6 +125,73 @@ class NeedleResult:
                 "by_depth": self.accuracy(by_depth=True)}
 
 
+class TrialLog:
+    """``kvcli needle --rows``: every finished trial a JSON line at once, so that a kill loses at most the trial
+    being read, and ``--resume`` runs only the trials not yet there.
+
+    A row is reused only by a run that would draw and read it the same way: each row records ``run``
+    (model, dtype, the book's tokens, the grid and every setting but the methods) and its method's
+    ``params``. A row of another run is refused with one line, never mixed into the rates.
+    """
+
+    FLAG = "--rows"
+
+    def __init__(self, path: Path, resume: bool = False, about: dict | None = None):
+        self.log = RowLog(path, self.FLAG)  # checks the path before any model work
+        self.resume = resume
+        self.about = dict(about or {})  # what run_grid cannot see: the model's name
+        self.run: dict = {}
+        self.written = 0
+
+    def open(self, run: dict, params: dict[str, dict]) -> dict[tuple, Trial]:
+        """Start the file for ``run``; with ``resume``, the trials already there, by (method, length, depth, trial)."""
+        self.run = as_json({**self.about, **run})  # compared with rows read back, whose tuples are lists
+        params = as_json(params)
+        done: dict[tuple, Trial] = {}
+        for number, row in enumerate(self.log.start(self.resume, required="trial"), start=1):
+            where = f"{self.FLAG} {self.log.path} line {number}"
+            differs = _first_difference(row.get("run"), self.run)
+            if differs is None and row.get("method") in params:
+                differs = _first_difference({"params": row.get("params")}, {"params": params[row["method"]]})
+            if differs is not None:
+                raise KvcliError(f"{where} is a trial of another run ({differs}): choose another {self.FLAG} file, "
+                                 "or run without --resume to start over")
+            try:
+                trial = Trial(**{f.name: row[f.name] for f in fields(Trial)})
+            except (KeyError, TypeError):
+                raise KvcliError(f"{where} is not a needle trial of kvcli: remove it, or choose another "
+                                 f"{self.FLAG} file") from None
+            done[(trial.method, trial.length, trial.depth, trial.trial)] = trial
+        return done
+
+    def add(self, trial: Trial, params: dict) -> None:
+        """Append ``trial``, read with ``params``, as one whole line."""
+        self.log.append({**asdict(trial), "params": params, "run": self.run})
+        self.written += 1
+
+
+def _first_difference(old, new: dict) -> str | None:
+    """``None`` when ``old`` equals ``new``, else the fields that differ, the first (in ``new``'s order) with values."""
+    if not isinstance(old, dict):
+        return "it records no run"
+    names = [name for name in [*new, *(name for name in old if name not in new)] if old.get(name) != new.get(name)]
+    if not names:
+        return None
+    first = names[0]
+    also = f"; also {', '.join(names[1:])}" if names[1:] else ""
+    return f"its {first} is {old.get(first)!r}, this run's {new.get(first)!r}{also}"
+
+
+def as_json(value):
+    """``value`` as it reads back from JSON (tuples become lists), to compare with what a file holds."""
+    return json.loads(dumps(value))
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    """A SHA-256 of token ids: what a resumed trial was cut from, however the book's path is spelled."""
+    return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()
+
+
 def is_correct(answer: str, key: str) -> bool:
     """The key's digits appear in the answer (as written, or once separators are removed: "12,345")."""
     return key in answer or key in re.sub(r"\D", "", answer)
@@ -178,7 +250,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
              one_shot: bool | None = None, probe: bool = True, options: dict[str, dict] | None = None,
              answer_prefix: str = "", fixed: bool = False, warn: Callable[[str], None] | None = None,
              on_trial: Callable[[Trial, int, int], None] | None = None, kv_bits: int = 16,
-             recap: int = RECAP_TOKENS) -> NeedleResult:
+             recap: int = RECAP_TOKENS, log: TrialLog | None = None) -> NeedleResult:
     """Run the grid on ``model``; ``tokens`` is the book (document ids without special tokens).
 
     Every trial is read and answered as ``kvcli ask DOC QUESTION`` does with these options: the
@@ -186,7 +258,8 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
     asks the same question with five-digit keys at sentence breaks in every trial (the harness of
     earlier results); by default each trial draws its needle, question and key length. ``options``
     maps a method name to its parameters. ``on_trial(trial, done, total)`` reports progress. Every
-    draw comes from ``random.Random(seed)`` in grid order, so a seed fixes every haystack.
+    draw comes from ``random.Random(seed)`` in grid order, so a seed fixes every haystack. ``log`` writes
+    every trial as it finishes and, when resuming, takes the trials it already holds instead of running them.
     """
     from kvcli.methods import make_method
 
@@ -213,11 +286,26 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
                                     "needles": [NEEDLE] if fixed else list(NEEDLES),
                                     "answer_prefix": answer_prefix, "max_new_tokens": max_new_tokens,
                                     "probe": probe, "params": params, "kv_bits": kv_bits, "recap": recap})
+    previous: dict[tuple, Trial] = {}
+    if log is not None:
+        run = {key: value for key, value in result.settings.items() if key != "params"}
+        run.update(dtype=str(next(model.parameters()).dtype), one_shot=one_shot, lengths=lengths, depths=depths,
+                   trials=trials, tokens=len(tokens), tokens_sha256=tokens_digest(tokens))
+        previous = log.open(run, params)
     total = len(lengths) * len(depths) * trials * len(methods)
     done = 0
     for stack in haystacks(tokenizer, tokens, lengths, depths, trials, seed, fixed=fixed):
         parts = build_prompt(tokenizer, question_instruction(stack.question, answer_prefix))
         for name in methods:
+            earlier = previous.get((name, stack.length, stack.depth, stack.trial))
+            if earlier is not None:
+                if earlier.key != stack.key:
+                    raise KvcliError(f"{TrialLog.FLAG}: the trial of {name} at depth {stack.depth:.0%} (trial "
+                                     f"{stack.trial}) has key {earlier.key}, this run draws {stack.key}: it was "
+                                     "drawn by another kvcli; run without --resume to start over")
+                result.trials.append(earlier)
+                done += 1
+                continue
             engine = Engine(model, built[name], budget, block=block, warn=warn, kv_bits=kv_bits)
             reader = Reader(engine, tokenizer, stop_ids=stop_ids, recap=recap)
             started = time.perf_counter()
@@ -227,6 +315,8 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
                            is_correct(answer, stack.key), gen.prompt_tokens, gen.one_shot, gen.max_cache_tokens,
                            time.perf_counter() - started, stack.needle, stack.question)
             result.trials.append(record)
+            if log is not None:
+                log.add(record, params[name])
             done += 1
             if on_trial:
                 on_trial(record, done, total)

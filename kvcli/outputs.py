@@ -174,8 +174,11 @@ def atomic_write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def read_rows(path: Path) -> list[dict]:
-    """The whole rows of a rows file (none if it does not exist); a last line cut by a kill is ignored."""
+def read_rows(path: Path, required: str = "document") -> list[dict]:
+    """The whole rows of a rows file (none if it does not exist); a last line cut by a kill is ignored.
+
+    Every row must hold ``required`` (``ppl``'s rows a ``document``, ``needle``'s a ``trial``), so that a file of
+    another command is refused rather than read as this one's."""
     path = Path(path)
     if not path.exists():
         return []
@@ -191,9 +194,9 @@ def read_rows(path: Path) -> list[dict]:
             row = json.loads(line)
         except ValueError:
             row = None
-        if not isinstance(row, dict) or "document" not in row:
+        if not isinstance(row, dict) or required not in row:
             raise KvcliError(f"{path} line {number} is not a row of kvcli (one JSON object with a "
-                             "\"document\" a line): choose another file or remove it")
+                             f"\"{required}\" a line): choose another file or remove it")
         rows.append(row)
     return rows
 
@@ -205,10 +208,10 @@ class RowLog:
         self.path = check_output(path, flag)
         self.flag = flag
 
-    def start(self, resume: bool) -> list[dict]:
-        """Begin writing: with ``resume`` keep the whole rows already there (and return them), cutting
-        off a half-written last line; without it, start an empty file."""
-        rows = read_rows(self.path) if resume else []
+    def start(self, resume: bool, required: str = "document") -> list[dict]:
+        """Begin writing: with ``resume`` keep the whole rows already there (and return them; each holds
+        ``required``), cutting off a half-written last line; without it, start an empty file."""
+        rows = read_rows(self.path, required) if resume else []
         try:
             if not resume or not self.path.exists():
                 self.path.write_bytes(b"")

@@ -216,6 +216,49 @@ def test_needle_fixed_harness_and_answer_prefix(invoke, tiny_model_dir, tmp_path
     assert all(t["needle"] == NEEDLE and t["question"] == QUESTION and len(t["key"]) == 5 for t in data["trials"])
 
 
+def test_needle_rows_resume_a_killed_run_and_refuse_another_run(invoke, tiny_model_dir, tmp_path):
+    """--rows writes each trial as it finishes; --resume after a kill takes those and runs the rest, so the
+    result is the uninterrupted run's. Rows of another book, setting or method parameter are refused, never mixed."""
+    text = tmp_path / "haystack.txt"
+    text.write_text(TEXT * 3)
+    rows = tmp_path / "trials.jsonl"
+    common = ["needle", str(text), *tiny(tiny_model_dir), "--methods", "streamingllm", "--lengths", "200", "--depths",
+              "0.3,0.7", "--trials", "2", "--cache", "48", "--max-new-tokens", "2", "--json", "--no-plots",
+              "--rows", str(rows)]
+    whole = json.loads(invoke(*common).stdout)
+    lines = rows.read_text().splitlines()
+    assert [json.loads(line)["key"] for line in lines] == [t["key"] for t in whole["trials"]] and len(lines) == 4
+
+    rows.write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])  # killed while writing the third trial
+    resumed = json.loads(invoke(*common, "--resume").stdout)
+
+    def without_time(data):
+        return [{k: v for k, v in t.items() if k != "seconds"} for t in data["trials"]]
+
+    assert without_time(resumed) == without_time(whole) and resumed["accuracy"] == whole["accuracy"]
+    # the first two were taken from the file (their recorded times), the last two read again
+    assert [t["seconds"] for t in resumed["trials"][:2]] == [t["seconds"] for t in whole["trials"][:2]]
+    assert [json.loads(line)["key"] for line in rows.read_text().splitlines()] == [t["key"] for t in whole["trials"]]
+
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT[::-1] * 3)
+    for change, message in ((["--cache", "56"], "its cache is 48, this run's 56"),
+                            (["-o", "sinks=2"], "its params"),
+                            (["--trials", "3"], "its trials is 2"),
+                            ([str(other)], "its tokens")):
+        args = [str(other), *common[2:]] if change == [str(other)] else [*common[1:], *change]
+        result = invoke("needle", *args, "--resume")
+        assert result.exit_code == 1 and "is a trial of another run" in result.stderr and message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert len(rows.read_text().splitlines()) == 4  # a refused resume leaves the file as it was
+
+    result = invoke(*[a for a in common if a not in ("--rows", str(rows))], "--resume")
+    assert result.exit_code == 2 and "--resume needs --rows" in result.stderr
+    rows.write_text('{"document": "book.txt", "ppl": 12.5}\n')  # a ppl rows file
+    result = invoke(*common, "--resume")
+    assert result.exit_code == 1 and 'not a row of kvcli (one JSON object with a "trial"' in result.stderr
+
+
 def test_needle_method_options(invoke, tiny_model_dir, tmp_path, monkeypatch):
     from kvcli.methods import METHODS
 

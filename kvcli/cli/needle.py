@@ -65,6 +65,11 @@ def needle(
     out: Annotated[Path, typer.Option("--out", help="Folder for needle.png, the accuracy per method as a map "
                                       "of length x depth.")] = Path("needle"),
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw needle.png in --out.")] = True,
+    rows: Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per trial to this file as each "
+                                              "trial finishes (whole lines only, even after a kill).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run: take the trials already in "
+                                         "--rows and run the rest (refused if they came from another book, "
+                                         "model or setting).")] = False,
     *,
     setup: Setup,
 ) -> None:
@@ -76,7 +81,7 @@ def needle(
     """
     from kvcli.cli.render import needle_tables
     from kvcli.methods import METHODS
-    from kvcli.needle import DEFAULT_TRIALS, book_tokens, run_grid
+    from kvcli.needle import DEFAULT_TRIALS, TrialLog, book_tokens, run_grid
     from kvcli.outputs import check_output
     from kvcli.report import dumps, print_result
 
@@ -95,6 +100,10 @@ def needle(
     per_method = method_options(method_list, option)
     if plots:
         check_output(out, "--out", folder=True)  # before the grid, not after it
+    if resume and rows is None:
+        raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")
+    if rows is not None:
+        check_output(rows, "--rows")  # before the model loads
     documents = setup.documents(source)
     loaded = setup.load()
     tokens = book_tokens(documents, loaded.tokenizer, max(length_list) * trials)
@@ -104,10 +113,19 @@ def needle(
         setup.note(f"[{done}/{total}] {trial.method} length {trial.length:,} depth {trial.depth:.0%}: "
                    f"{trial.answer!r} ({mark}, key {trial.key}, {trial.seconds:.1f} s)")
 
-    result = run_grid(loaded.model, loaded.tokenizer, tokens, method_list, lengths=length_list, depths=depth_list,
-                      trials=trials, budget=cache, block=block_size, seed=seed, max_new_tokens=max_new_tokens,
-                      one_shot=one_shot, probe=probe, options=per_method, answer_prefix=answer_prefix, fixed=fixed,
-                      warn=setup.say, on_trial=on_trial, kv_bits=bits, recap=recap)
+    log = TrialLog(rows, resume, about={"model": loaded.name}) if rows is not None else None
+    try:
+        result = run_grid(loaded.model, loaded.tokenizer, tokens, method_list, lengths=length_list,
+                          depths=depth_list, trials=trials, budget=cache, block=block_size, seed=seed,
+                          max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe, options=per_method,
+                          answer_prefix=answer_prefix, fixed=fixed, warn=setup.say, on_trial=on_trial, kv_bits=bits,
+                          recap=recap, log=log)
+    except KeyboardInterrupt:
+        if log is not None:
+            setup.note(f"{log.written} new trials are in {rows}; the same command with --resume runs the rest")
+        raise
+    if log is not None and resume:
+        setup.note(f"took {len(result.trials) - log.written} trials from {rows}, ran {log.written}")
     if json_out:
         print_result(dumps({"model": loaded.name, **result.as_dict()}))
     else:
