@@ -136,10 +136,12 @@ class TrialLog:
 
     FLAG = "--rows"
 
-    def __init__(self, path: Path, resume: bool = False, about: dict | None = None):
+    def __init__(self, path: Path, resume: bool = False, about: dict | None = None,
+                 note: Callable[[str], None] | None = None):
         self.log = RowLog(path, self.FLAG)  # checks the path before any model work
         self.resume = resume
         self.about = dict(about or {})  # what run_grid cannot see: the model's name
+        self.note = note  # says, when resuming, how many trials were taken: the first new one may be minutes away
         self.run: dict = {}
         self.written = 0
 
@@ -162,6 +164,9 @@ class TrialLog:
                 raise KvcliError(f"{where} is not a needle trial of kvcli: remove it, or choose another "
                                  f"{self.FLAG} file") from None
             done[(trial.method, trial.length, trial.depth, trial.trial)] = trial
+        if self.resume and self.note:
+            taken = sum(1 for key in done if key[0] in params)
+            self.note(f"took {taken} trials from {self.log.path}; reading the rest")
         return done
 
     def add(self, trial: Trial, params: dict) -> None:

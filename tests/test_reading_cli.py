@@ -230,7 +230,9 @@ def test_needle_rows_resume_a_killed_run_and_refuse_another_run(invoke, tiny_mod
     assert [json.loads(line)["key"] for line in lines] == [t["key"] for t in whole["trials"]] and len(lines) == 4
 
     rows.write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])  # killed while writing the third trial
-    resumed = json.loads(invoke(*common, "--resume").stdout)
+    loud = invoke(*[arg for arg in common if arg != "--quiet"], "--resume")
+    assert loud.exit_code == 0 and f"took 2 trials from {rows}" in loud.stderr
+    resumed = json.loads(loud.stdout)
 
     def without_time(data):
         return [{k: v for k, v in t.items() if k != "seconds"} for t in data["trials"]]

@@ -113,7 +113,7 @@ def needle(
         setup.note(f"[{done}/{total}] {trial.method} length {trial.length:,} depth {trial.depth:.0%}: "
                    f"{trial.answer!r} ({mark}, key {trial.key}, {trial.seconds:.1f} s)")
 
-    log = TrialLog(rows, resume, about={"model": loaded.name}) if rows is not None else None
+    log = TrialLog(rows, resume, about={"model": loaded.name}, note=setup.note) if rows is not None else None
     try:
         result = run_grid(loaded.model, loaded.tokenizer, tokens, method_list, lengths=length_list,
                           depths=depth_list, trials=trials, budget=cache, block=block_size, seed=seed,
@@ -124,8 +124,6 @@ def needle(
         if log is not None:
             setup.note(f"{log.written} new trials are in {rows}; the same command with --resume runs the rest")
         raise
-    if log is not None and resume:
-        setup.note(f"took {len(result.trials) - log.written} trials from {rows}, ran {log.written}")
     if json_out:
         print_result(dumps({"model": loaded.name, **result.as_dict()}))
     else:
