@@ -11,7 +11,6 @@ not hold for one phrasing only. Every method sees the same haystacks and keys.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -24,6 +23,7 @@ from pathlib import Path
 from kvcli.engine import Engine, check_budget
 from kvcli.errors import KvcliError, UsageError
 from kvcli.generate import Reader
+from kvcli.kl import token_digest
 from kvcli.outputs import RowLog
 from kvcli.prompts import build_prompt, encode, question_instruction, stop_token_ids
 from kvcli.recap import RECAP_TOKENS
@@ -192,11 +192,6 @@ def as_json(value):
     return json.loads(dumps(value))
 
 
-def tokens_digest(tokens: Sequence[int]) -> str:
-    """A SHA-256 of token ids: what a resumed trial was cut from, however the book's path is spelled."""
-    return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()
-
-
 def is_correct(answer: str, key: str) -> bool:
     """The key's digits appear in the answer (as written, or once separators are removed: "12,345")."""
     return key in answer or key in re.sub(r"\D", "", answer)
@@ -295,7 +290,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
     if log is not None:
         run = {key: value for key, value in result.settings.items() if key != "params"}
         run.update(dtype=str(next(model.parameters()).dtype), one_shot=one_shot, lengths=lengths, depths=depths,
-                   trials=trials, tokens=len(tokens), tokens_sha256=tokens_digest(tokens))
+                   trials=trials, tokens=len(tokens), tokens_sha256=token_digest(tokens))
         previous = log.open(run, params)
     total = len(lengths) * len(depths) * trials * len(methods)
     done = 0
