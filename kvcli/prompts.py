@@ -43,8 +43,9 @@ TEMPLATES: dict[str, Instruction] = {
 
 #: How ``kvcli ask`` frames the user's question for a chat model. After thousands of tokens of a book a
 #: small chat model given the bare question often goes on with the book or chats about it; told what to
-#: do first, it answers (measured with full attention on held-in books: docs/reading.md).
-ASK_FRAME = "Answer the question about the text above in one short sentence.\nQuestion: {question}"
+#: do first, it answers. The question follows the instruction in the same line, with no "Question:" label,
+#: which the 135M model copied out instead of answering (chosen on the tuning books: docs/reading.md).
+ASK_FRAME = "Read the text above carefully, then answer in one short sentence. {question}"
 
 
 def question_instruction(question: str, answer_prefix: str = "") -> Instruction:

@@ -9,6 +9,8 @@ import sys
 import pytest
 from conftest import TEXT
 
+from kvcli.prompts import ASK_FRAME
+
 KEYS = {"prompt_tokens", "generated_tokens", "max_cache_tokens", "kv_cache_bytes", "peak_memory_bytes", "seconds",
         "model", "method", "cache"}
 
@@ -253,6 +255,16 @@ def test_needle_rows_resume_a_killed_run_and_refuse_another_run(invoke, tiny_mod
         assert result.exit_code == 1 and "is a trial of another run" in result.stderr and message in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
     assert len(rows.read_text().splitlines()) == 4  # a refused resume leaves the file as it was
+
+    # rows read with another framing of the question (an earlier kvcli's ASK_FRAME) are another run
+    assert whole["frame"] == ASK_FRAME
+    framed = tmp_path / "framed.jsonl"
+    old_rows = [json.loads(line) for line in rows.read_text().splitlines()]
+    for row in old_rows:
+        row["run"]["frame"] = "Answer the question about the text above.\nQuestion: {question}"
+    framed.write_text("".join(json.dumps(row) + "\n" for row in old_rows))
+    result = invoke(*[framed.as_posix() if a == str(rows) else a for a in common], "--resume")
+    assert result.exit_code == 1 and "its frame is 'Answer the question" in result.stderr
 
     result = invoke(*[a for a in common if a not in ("--rows", str(rows))], "--resume")
     assert result.exit_code == 2 and "--resume needs --rows" in result.stderr
