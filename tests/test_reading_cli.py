@@ -263,7 +263,7 @@ def test_needle_rows_resume_a_killed_run_and_refuse_another_run(invoke, tiny_mod
     for row in old_rows:
         row["run"]["frame"] = "Answer the question about the text above.\nQuestion: {question}"
     framed.write_text("".join(json.dumps(row) + "\n" for row in old_rows))
-    result = invoke(*[framed.as_posix() if a == str(rows) else a for a in common], "--resume")
+    result = invoke(*[str(framed) if a == str(rows) else a for a in common], "--resume")
     assert result.exit_code == 1 and "its frame is 'Answer the question" in result.stderr
 
     result = invoke(*[a for a in common if a not in ("--rows", str(rows))], "--resume")
