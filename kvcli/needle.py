@@ -25,7 +25,7 @@ from kvcli.errors import KvcliError, UsageError
 from kvcli.generate import Reader
 from kvcli.kl import token_digest
 from kvcli.outputs import RowLog
-from kvcli.prompts import ASK_FRAME, build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.prompts import build_prompt, encode, question_frame, question_instruction, stop_token_ids
 from kvcli.recap import RECAP_TOKENS
 from kvcli.report import dumps
 
@@ -284,7 +284,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
     result = NeedleResult(settings={"cache": budget, "block": block, "seed": seed, "fixed": fixed,
                                     "questions": [QUESTION] if fixed else list(QUESTIONS),
                                     "needles": [NEEDLE] if fixed else list(NEEDLES),
-                                    "frame": ASK_FRAME, "answer_prefix": answer_prefix,
+                                    "frame": question_frame(tokenizer), "answer_prefix": answer_prefix,
                                     "max_new_tokens": max_new_tokens,
                                     "probe": probe, "params": params, "kv_bits": kv_bits, "recap": recap})
     previous: dict[tuple, Trial] = {}

@@ -55,6 +55,17 @@ def question_instruction(question: str, answer_prefix: str = "") -> Instruction:
     return Instruction(ASK_FRAME.format(question=question), f"\n\nQuestion: {question}\nAnswer:", answer_prefix)
 
 
+def question_frame(tokenizer) -> str:
+    """What ``kvcli ask`` puts after the document, as text, with ``{question}`` where the question goes.
+
+    This is the frame as the model reads it: :data:`ASK_FRAME` inside the tokenizer's chat template, or the
+    Question/Answer cue of a model without one. A record of a run keeps it, so that rows read under one
+    template or frame are never mixed with rows read under another.
+    """
+    parts = build_prompt(tokenizer, question_instruction("{question}"))
+    return tokenizer.decode(parts.suffix)
+
+
 def custom_instruction(prompt: str, answer_prefix: str = "") -> Instruction:
     """A user's ``--prompt``: the same text for chat and base models."""
     prompt = prompt.strip()

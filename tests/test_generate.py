@@ -3,6 +3,8 @@ its budget, greedy decoding equal to transformers' own, incremental text, and th
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -13,11 +15,13 @@ from kvcli.methods import METHODS, make_method
 from kvcli.models import tiny_llama
 from kvcli.needle import NEEDLE, excerpt_offset, haystack, haystacks, is_correct, sentence_break, word_break
 from kvcli.prompts import (
+    ASK_FRAME,
     TEMPLATES,
     Instruction,
     PromptParts,
     build_prompt,
     encode,
+    question_frame,
     question_instruction,
     stop_token_ids,
 )
@@ -79,6 +83,15 @@ def test_plain_text_fallback_without_a_chat_template(smol_tokenizer):
     assert not parts.chat and smol_tokenizer.decode(parts.suffix) == "\n\nSummary:"
     primed = build_prompt(smol_tokenizer, question_instruction("Who?", "It was"), use_chat=False)
     assert smol_tokenizer.decode(primed.suffix) == "\n\nQuestion: Who?\nAnswer: It was"
+
+
+def test_question_frame_is_what_the_model_reads_after_the_document(smol_tokenizer):
+    # the record of a needle run: the frame inside the chat template, or the base models' cue
+    assert question_frame(smol_tokenizer) == \
+        "\n\n" + ASK_FRAME + "<|im_end|>\n<|im_start|>assistant\n"
+    base = copy.copy(smol_tokenizer)
+    base.chat_template = None
+    assert question_frame(base) == "\n\nQuestion: {question}\nAnswer:"
 
 
 def test_stop_tokens_cover_eos_and_end_of_turn(smol_tokenizer):
