@@ -257,7 +257,7 @@ def test_needle_rows_resume_a_killed_run_and_refuse_another_run(invoke, tiny_mod
     assert len(rows.read_text().splitlines()) == 4  # a refused resume leaves the file as it was
 
     # rows read with another framing of the question (an earlier kvcli's ASK_FRAME) are another run
-    assert whole["frame"].startswith("\n\n" + ASK_FRAME) or whole["frame"] == "\n\nQuestion: {question}\nAnswer:"
+    assert whole["frame"] == "\n\n" + ASK_FRAME + "<|im_end|>\n<|im_start|>assistant\n"  # SmolLM2's chat template
     framed = tmp_path / "framed.jsonl"
     old_rows = [json.loads(line) for line in rows.read_text().splitlines()]
     for row in old_rows:
