@@ -318,3 +318,30 @@ def test_a_read_takes_blocks_of_1024_on_every_device_unless_told():
     assert parse_read_block("auto") == READ_BLOCK == 1024 and parse_read_block("64") == 64
     assert parse_block("auto") is None  # the engine's default for the device
     assert inspect.signature(run_grid).parameters["block"].default == READ_BLOCK
+
+
+@pytest.mark.parametrize("length", [300, 900])  # read in one shot / streamed past the tiny model's 512 context
+def test_a_needle_trial_answers_what_ask_answers_on_its_haystack(invoke, tiny_model_dir, smol_tokenizer, tmp_path,
+                                                                  length):
+    """needle's headline tables are the user's path: each trial's answer is what `kvcli ask HAYSTACK QUESTION`
+    prints for the same text, with the same method, cache and block, and no option besides."""
+    from kvcli.documents import open_source
+    from kvcli.needle import book_tokens, haystacks
+
+    book = tmp_path / "book.txt"
+    book.write_text(TEXT * 6)
+    common = [*tiny(tiny_model_dir), "--cache", "48", "--block", "64", "--max-new-tokens", "4"]
+    data = json.loads(invoke("needle", str(book), "--methods", "snapkv", "--lengths", str(length), "--depths", "0.4",
+                             "--trials", "2", "--json", "--no-plots", *common).stdout)
+    tokens = book_tokens(open_source(str(book)), smol_tokenizer, length * 2)
+    stacks = list(haystacks(smol_tokenizer, tokens, [length], [0.4], 2))
+    assert [s.key for s in stacks] == [t["key"] for t in data["trials"]]  # the same draws, rebuilt from the seed
+    for stack, trial in zip(stacks, data["trials"], strict=True):
+        text = smol_tokenizer.decode(stack.doc)
+        assert smol_tokenizer.encode(text, add_special_tokens=False) == stack.doc  # it reads back as the same ids
+        haystack = tmp_path / f"haystack-{stack.trial}.txt"
+        haystack.write_text(text)
+        asked = json.loads(invoke("ask", str(haystack), stack.question, "--method", "snapkv", *common, "--json").stdout)
+        assert asked["answer"].strip() == trial["answer"]
+        assert (asked["prompt_tokens"], asked["one_shot"]) == (trial["prompt_tokens"], trial["one_shot"])
+        assert trial["one_shot"] == (length < 512)
