@@ -145,8 +145,9 @@ class TrialLog:
         self.run: dict = {}
         self.written = 0
 
-    def open(self, run: dict, params: dict[str, dict]) -> dict[tuple, Trial]:
-        """Start the file for ``run``; with ``resume``, the trials already there, by (method, length, depth, trial)."""
+    def open(self, run: dict, params: dict[str, dict], total: int) -> dict[tuple, Trial]:
+        """Start the file for ``run`` (``total`` trials); with ``resume``, the trials already there, by (method,
+        length, depth, trial)."""
         self.run = as_json({**self.about, **run})  # compared with rows read back, whose tuples are lists
         params = as_json(params)
         done: dict[tuple, Trial] = {}
@@ -166,7 +167,9 @@ class TrialLog:
             done[(trial.method, trial.length, trial.depth, trial.trial)] = trial
         if self.resume and self.note:
             taken = sum(1 for key in done if key[0] in params)
-            self.note(f"took {taken} trials from {self.log.path}; reading the rest")
+            left = total - taken
+            self.note(f"took {taken} of {total} trials from {self.log.path}; "
+                      + (f"reading the other {left}" if left else "none left to read"))
         return done
 
     def add(self, trial: Trial, params: dict) -> None:
@@ -288,12 +291,12 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
                                     "max_new_tokens": max_new_tokens,
                                     "probe": probe, "params": params, "kv_bits": kv_bits, "recap": recap})
     previous: dict[tuple, Trial] = {}
+    total = len(lengths) * len(depths) * trials * len(methods)
     if log is not None:
         run = {key: value for key, value in result.settings.items() if key != "params"}
         run.update(dtype=str(next(model.parameters()).dtype), one_shot=one_shot, lengths=lengths, depths=depths,
                    trials=trials, tokens=len(tokens), tokens_sha256=token_digest(tokens))
-        previous = log.open(run, params)
-    total = len(lengths) * len(depths) * trials * len(methods)
+        previous = log.open(run, params, total)
     done = 0
     for stack in haystacks(tokenizer, tokens, lengths, depths, trials, seed, fixed=fixed):
         parts = build_prompt(tokenizer, question_instruction(stack.question, answer_prefix))
