@@ -232,7 +232,8 @@ def test_needle_rows_resume_a_killed_run_and_refuse_another_run(invoke, tiny_mod
     assert [json.loads(line)["key"] for line in lines] == [t["key"] for t in whole["trials"]] and len(lines) == 4
 
     rows.write_text("\n".join(lines[:2]) + "\n" + lines[2][:25])  # killed while writing the third trial
-    loud = invoke(*[arg for arg in common if arg != "--quiet"], "--resume")
+    resume = [*(arg for arg in common if arg != "--quiet"), "--resume"]  # with its note on stderr
+    loud = invoke(*resume)
     assert loud.exit_code == 0 and f"took 2 of 4 trials from {rows}; reading the other 2" in loud.stderr
     resumed = json.loads(loud.stdout)
 
@@ -243,7 +244,7 @@ def test_needle_rows_resume_a_killed_run_and_refuse_another_run(invoke, tiny_mod
     # the first two were taken from the file (their recorded times), the last two read again
     assert [t["seconds"] for t in resumed["trials"][:2]] == [t["seconds"] for t in whole["trials"][:2]]
     assert [json.loads(line)["key"] for line in rows.read_text().splitlines()] == [t["key"] for t in whole["trials"]]
-    complete = invoke(*[arg for arg in common if arg != "--quiet"], "--resume")  # every trial there: the tables only
+    complete = invoke(*resume)  # every trial there: the tables only
     assert f"took 4 of 4 trials from {rows}; none left to read" in complete.stderr
     assert without_time(json.loads(complete.stdout)) == without_time(whole)
 
