@@ -3,7 +3,7 @@
 # `.gpu-wheels` carried; ../shared/gpu/README.md): the issue's bench-speed lines (prefill, then decode
 # apart so that a failing decode loses only itself), the CUDA tests, and a
 # 1M-token stream. Each step has its own time limit and writes into $OUT, so a slow step loses only itself.
-#   bash docs/results/gpu_batch.sh [bench] [decode] [tests] [stream]   (default: all four, in that order)
+#   bash docs/results/gpu_batch.sh [bench] [decode] [tests] [stream] [profile]   (default: the first four, in order)
 #   bash docs/results/gpu_batch.sh setup                      (only the install, before commands of your own)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,16 +22,20 @@ for step in $steps; do
   case $step in
     setup)  ;;
     bench)  timeout 180 python3 -m kvcli bench-speed --shape llama-3.1-8b \
-              --methods streamingllm,treekv,snapkv,pyramidkv,h2o --json >"$OUT/speed-8b.json" ;;
-    decode) timeout 120 python3 -m kvcli bench-speed --shape llama-3.1-8b \
-              --methods streamingllm,treekv,snapkv,pyramidkv --tokens 8192 --decode 64 --json \
+              --methods streamingllm,treekv,snapkv,pyramidkv,h2o,tova,pyramidinfer --json >"$OUT/speed-8b.json" ;;
+    decode) timeout 150 python3 -m kvcli bench-speed --shape llama-3.1-8b \
+              --methods streamingllm,treekv,snapkv,pyramidkv,h2o,tova,pyramidinfer --tokens 8192 --decode 64 --json \
               >"$OUT/decode-8b.json" ;;
+    profile) timeout 120 python3 docs/results/decode_profile.py llama-3.1-8b streamingllm,snapkv,treekv,h2o 64 \
+              >"$OUT/decode-profile.jsonl" 2>"$OUT/decode-profile.txt"
+            timeout 120 python3 docs/results/profile_gpu_block.py llama-3.1-8b h2o snapkv treekv \
+              >"$OUT/block-profile.txt" 2>&1 ;;
     tests)  timeout 100 python3 -m pytest -q -p no:cacheprovider -rs \
               tests/test_decode.py tests/test_attention.py tests/test_overhead.py >"$OUT/tests.txt" 2>&1
             tail -5 "$OUT/tests.txt" ;;
     stream) timeout 150 python3 -m kvcli bench-speed --shape llama-3.1-8b --methods treekv \
               --tokens 1048576 --json >"$OUT/stream-1m-8b.json" ;;
-    *)      echo "unknown step $step (bench, decode, tests, stream or setup)" >&2; exit 2 ;;
+    *)      echo "unknown step $step (bench, decode, tests, stream, profile or setup)" >&2; exit 2 ;;
   esac
   echo "== $step: rc $? in $(( $(date +%s) - started )) s"
 done
