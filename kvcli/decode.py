@@ -51,6 +51,17 @@ __all__ = ["AnswerCache", "AnswerLayer", "EagerSteps", "EvictingCache", "Evictin
            "evicting_steps_apply", "graph_capturable", "ring_steps_apply", "static_steps_apply"]
 
 
+#: Every fixed buffer's slots are a multiple of this, the unused ones masked out: cuBLAS runs a product whose
+#: inner size is not a multiple of 8 (a step's probabilities times ``T + 1`` values) on a slow fallback kernel
+#: (docs/benchmarks.md, "Decode: aligned slots").
+SLOT_MULTIPLE = 64
+
+
+def padded(slots: int) -> int:
+    """``slots`` rounded up to :data:`SLOT_MULTIPLE`."""
+    return -(-slots // SLOT_MULTIPLE) * SLOT_MULTIPLE
+
+
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                      visible: torch.Tensor) -> torch.Tensor:
     """Attention of ``query`` ``[1, H_q, n, D]`` to the ``visible`` ``[T]`` keys of ``key``/``value``
@@ -93,7 +104,7 @@ class AnswerLayer(CacheLayerMixin):
         self.keys = self.buffer(keys, room)
         self.values = self.buffer(values, room)
         self.slot = torch.tensor([self.length], device=self.device)
-        self.slots = torch.arange(self.length + room, device=self.device)
+        self.slots = torch.arange(self.keys.shape[2], device=self.device)
 
     def take(self, layer: CompressedLayer, start: int, rotated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s keys (rotated to their positions before ``start``, or as stored: rotated where they
@@ -109,8 +120,9 @@ class AnswerLayer(CacheLayerMixin):
 
     @staticmethod
     def buffer(tokens: torch.Tensor, room: int) -> torch.Tensor:
-        """``tokens`` ``[1, H, T, D]`` at the start of a zeroed buffer with ``room`` more slots."""
-        out = tokens.new_zeros(tokens.shape[:2] + (tokens.shape[2] + room,) + tokens.shape[3:])
+        """``tokens`` ``[1, H, T, D]`` at the start of a zeroed buffer with ``room`` more slots, and unused ones up
+        to a multiple of :data:`SLOT_MULTIPLE`, which every step masks out."""
+        out = tokens.new_zeros(tokens.shape[:2] + (padded(tokens.shape[2] + room),) + tokens.shape[3:])
         out[:, :, :tokens.shape[2]] = tokens
         return out
 
@@ -184,7 +196,8 @@ class RingLayer(AnswerLayer):
         self.sink_keys, self.sink_values = keys[:, :, :sinks], values[:, :, :sinks]
         self.keys = self.buffer(keys[:, :, sinks:], 1)
         self.values = self.buffer(values[:, :, sinks:], 1)
-        self.size = self.keys.shape[2]  # window + 1 slots
+        self.size = keys.shape[2] - sinks + 1  # window + 1 slots; the buffer's others are never attended
+        self.unused = torch.arange(self.keys.shape[2], device=self.device) >= self.size
         self.slot = torch.tensor([self.size - 1], device=self.device)
         self.inv_freq = layer.inv_freq
         self.start = start
@@ -193,7 +206,7 @@ class RingLayer(AnswerLayer):
         self.clock = clock  # start + t [1, 1], shared with the steps: the position position is, or turned to
         self.turn = clock is not position
         self.entry = torch.cat((torch.arange(start - self.length + sinks, start, device=self.device),
-                                torch.zeros(1, dtype=torch.long, device=self.device)))  # each slot's position
+                                torch.zeros(1, dtype=torch.long, device=self.device)))  # each ring slot's position
         self.tokens = torch.cat((tokens, tokens.new_zeros(1)))  # each slot's token
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -212,7 +225,7 @@ class RingLayer(AnswerLayer):
         """Attention to the sinks (the query turned back to ``start``) and to every slot of the ring."""
         if self.turn:
             query = self.turned(query)
-        ring = grouped_logits(query, self.keys, scaling)
+        ring = grouped_logits(query, self.keys, scaling).masked_fill_(self.unused, float("-inf"))
         if self.sinks:
             back = (self.start - self.clock).expand(query.shape[1], 1)
             ring = torch.cat((grouped_logits(rotate_keys(query, back, self.inv_freq), self.sink_keys, scaling), ring),
@@ -305,6 +318,8 @@ class EvictingLayer(AnswerLayer):
         self.moved = layer.moved
         self.keys, self.values = stack.keys[index], stack.values[index]  # [1, H, T + 1, D]
         self.current = stack.current[index]
+        # what the step attends to: the slots and the unused ones after them (zeros, masked out)
+        self.attended_keys, self.attended_values = stack.padded_current[index], stack.padded_values[index]
         self.probs = stack.probs[index]  # [H, group, T + 1]
         self.length = self.keys.shape[2] - 1
         self.dtype, self.device = self.keys.dtype, self.keys.device
@@ -320,10 +335,10 @@ class EvictingLayer(AnswerLayer):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                window: int) -> tuple[torch.Tensor, None]:
         """Attention to every slot; the query's attention ``[H_kv, group, T]`` is kept for the eviction."""
-        logits = grouped_logits(query, self.current, scaling)
+        logits = grouped_logits(query, self.attended_keys, scaling).masked_fill_(self.stack.unused, float("-inf"))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        out = torch.matmul(probs.to(value.dtype), self.values).view(query.shape[:3] + value.shape[-1:])
-        self.probs.copy_(probs.view(self.probs.shape))
+        out = torch.matmul(probs.to(value.dtype), self.attended_values).view(query.shape[:3] + value.shape[-1:])
+        self.probs.copy_(probs.view(self.probs.shape[:2] + probs.shape[-1:])[..., :self.probs.shape[-1]])
         return out, None
 
     def advance(self) -> None:
@@ -373,8 +388,11 @@ class EvictingCache(AnswerCache):
         slots, size = count + 1, len(layers)
         self.eviction = engine.method.step_eviction(engine.budgets[first.layer_idx],
                                                     [layer.method_state for layer in layers], heads, engine.device)
-        self.keys = first.keys.new_zeros((size, 1, heads, slots, first.keys.shape[-1]))
-        self.values = first.values.new_zeros((size, 1, heads, slots, first.values.shape[-1]))
+        # [layers, 1, H, T + 1, D] views of buffers whose unused slots up to a multiple of SLOT_MULTIPLE stay zero
+        self.padded_keys = first.keys.new_zeros((size, 1, heads, padded(slots), first.keys.shape[-1]))
+        self.padded_values = first.values.new_zeros((size, 1, heads, padded(slots), first.values.shape[-1]))
+        self.keys, self.values = self.padded_keys[..., :slots, :], self.padded_values[..., :slots, :]
+        self.unused = torch.arange(padded(slots), device=engine.device) >= slots
         self.entry = first.entry_pos.new_zeros((size, heads, slots))  # where each key was rotated
         self.tokens = first.token_idx.new_zeros((size, heads, slots))
         self.state = {name: first.state[name].new_zeros((size * heads, slots)) for name in self.eviction.names}
@@ -393,7 +411,8 @@ class EvictingCache(AnswerCache):
         self.token = steps.token  # the step's token index in the stream [1, 1], shared with the steps
         self.slots = torch.arange(slots, device=engine.device)
         # The keys rotated to where they sit at the coming step.
-        self.current = self.keys if self.keep_positions else torch.empty_like(self.keys)
+        self.padded_current = self.padded_keys if self.keep_positions else torch.zeros_like(self.padded_keys)
+        self.current = self.padded_current[..., :slots, :]
         group = engine.model.config.num_attention_heads // heads
         self.probs = torch.zeros((size, heads, group, slots), dtype=torch.float32, device=engine.device)
         self.chunk = size if engine.device.type == "cuda" else 1

@@ -1,6 +1,6 @@
 """Where a captured decode step's time goes on a GPU, against the bytes it must read (issue #56).
 
-    python docs/results/decode_profile.py [SHAPE] [METHODS] [STEPS]   (default llama-3.1-8b snapkv,treekv 64)
+    python docs/results/decode_profile.py [SHAPE] [METHODS] [STEPS] [compile]   (default llama-3.1-8b snapkv,treekv 64)
 
 Builds the shape with random weights (kvcli.bench.speed), then prints JSON lines:
 - ``floor``: the card's measured copy bandwidth, the bytes one token must read (every weight once, the cache's
@@ -10,6 +10,8 @@ Builds the shape with random weights (kvcli.bench.speed), then prints JSON lines
   synchronisation at the end (the GPU's rate), the same with each token's argmax read to the host as ``kvcli
   ask`` reads it (the user's rate), and the uncaptured step under ``torch.profiler``: its kernel count, their
   summed GPU time and the kernels that take the most.
+With ``compile``, the step is first wrapped in ``torch.compile`` (inductor fuses the model's elementwise operations;
+the graph is captured over its kernels): an experiment, with the seconds the first step took (the compilation).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def kernels(run) -> dict:
     return {"kernels": len(events), "gpu_ms": gpu_us / 1000, "table": table}
 
 
-def method_line(model, name: str, ids: torch.Tensor, steps: int) -> dict:
+def method_line(model, name: str, ids: torch.Tensor, steps: int, compiled: bool = False) -> dict:
     engine = Engine(model, make_method(name), CACHE, block=BLOCK)
     cache = engine.new_cache()
     for start in range(0, CACHE + BLOCK, BLOCK):
@@ -89,13 +91,20 @@ def method_line(model, name: str, ids: torch.Tensor, steps: int) -> dict:
     answer = answer_steps(engine, cache, 3 * steps + 8)
     try:
         kind = type(answer).__name__ + ("/" + answer.layout.__name__ if hasattr(answer, "layout") else "")
+        if compiled:
+            answer.step = torch.compile(answer.step)
+        started = time.perf_counter()
+        answer(7)
+        sync()
+        first = time.perf_counter() - started
         replay = seconds(lambda: answer(7), steps)
         read = seconds(lambda: int(answer(7).argmax()), steps)
         profiled = kernels(answer.step) if hasattr(answer, "step") else kernels(lambda: answer(7))
     finally:
         answer.finish()
     print(profiled.pop("table"), file=sys.stderr)
-    return {"line": name, "steps": kind, "replay_tokens_per_s": 1 / replay, "with_host_read_tokens_per_s": 1 / read,
+    return {"line": name + (" compiled" if compiled else ""), "steps": kind, "first_step_s": first,
+            "replay_tokens_per_s": 1 / replay, "with_host_read_tokens_per_s": 1 / read,
             "eager_step_kernels": profiled["kernels"], "eager_step_gpu_ms": profiled["gpu_ms"],
             "cache_bytes": cache_bytes}
 
@@ -105,13 +114,14 @@ def main() -> None:
     shape = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
     methods = (sys.argv[2] if len(sys.argv) > 2 else "snapkv,treekv").split(",")
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+    compiled = len(sys.argv) > 4 and sys.argv[4] == "compile"
     model = build_model(shape, DEVICE, torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (CACHE + BLOCK,), generator=torch.Generator().manual_seed(0))
     ids = ids.to(DEVICE)
     if DEVICE == "cuda":
         floor_line(model)
     for name in methods:
-        print(json.dumps(method_line(model, name, ids, steps)), flush=True)
+        print(json.dumps(method_line(model, name, ids, steps, compiled)), flush=True)
 
 
 def floor_line(model: torch.nn.Module) -> None:
