@@ -574,10 +574,12 @@ class StaticSteps:
     """Up to ``room`` decode steps on fixed buffers that take over ``cache``'s layers (see the module's text);
     :meth:`finish` gives them back. ``layout`` is the kind of cache they write through: :class:`AnswerCache`
     (nothing evicted while writing), :class:`RingCache` (StreamingLLM) or :class:`EvictingCache` (a method's
-    step eviction). ``graph`` None captures on CUDA and runs eagerly elsewhere."""
+    step eviction). ``graph`` None captures on CUDA and runs eagerly elsewhere. ``compiled`` runs the step through
+    ``torch.compile`` (before the capture, on CUDA): inductor fuses the model's small elementwise kernels, which
+    a graph otherwise replays one by one, at the cost of a compilation of tens of seconds in each process."""
 
     def __init__(self, engine, cache: KVCache, room: int, graph: bool | None = None,
-                 layout: type[AnswerCache] = AnswerCache):
+                 layout: type[AnswerCache] = AnswerCache, compiled: bool = False):
         self.engine = engine
         self.cache = cache
         self.room = room
@@ -594,6 +596,20 @@ class StaticSteps:
         self.use_graph = graph_capturable(engine.model) if graph is None else graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        self.program = torch.compile(self.step, dynamic=False) if compiled else self.step
+
+    def run(self) -> torch.Tensor:
+        """One step through :attr:`program`. A compiled program that fails to compile is dropped for the plain
+        step, with one warning, and the step run again: a step writes only at its slots and moves them on last,
+        so what a partly run step wrote, the plain one writes again the same."""
+        try:
+            return self.program()
+        except Exception as error:  # dynamo and inductor raise many kinds; the plain step is always there
+            if self.program == self.step:
+                raise
+            self.engine.warn(f"could not compile the decode step ({type(error).__name__}); writing without compiling")
+            self.program = self.step
+            return self.step()
 
     def step(self) -> torch.Tensor:
         """One token's forward on the buffers (the program a graph captures): the logits ``[V]`` after it,
@@ -614,7 +630,7 @@ class StaticSteps:
                                                                          else [self.clock])
         saved = [tensor.clone() for tensor in written]
         for _ in range(steps):
-            self.step()
+            self.run()
         for tensor, copy in zip(written, saved, strict=True):
             tensor.copy_(copy)
         self.answer.restored()
@@ -629,7 +645,7 @@ class StaticSteps:
         torch.cuda.current_stream(self.engine.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = self.step()
+            self.logits = self.program()
 
     @torch.inference_mode()
     def __call__(self, token: int) -> torch.Tensor:
@@ -639,14 +655,14 @@ class StaticSteps:
         self.ids.fill_(token)
         self.steps += 1
         if not self.use_graph:
-            return self.step()
+            return self.run()
         if self.graph is None:
             try:
                 self.capture()
             except RuntimeError:  # a kernel or hook that cannot be captured: the same step, launched eagerly
                 self.graph = self.logits = None
                 self.use_graph = False
-                return self.step()
+                return self.run()
         self.graph.replay()
         return self.logits
 
@@ -669,16 +685,18 @@ class StaticSteps:
         return self.cache.max_tokens()
 
 
-def answer_steps(engine, cache: KVCache, room: int, static: bool = True) -> EagerSteps | StaticSteps:
+def answer_steps(engine, cache: KVCache, room: int, static: bool = True,
+                 compiled: bool = False) -> EagerSteps | StaticSteps:
     """The decode steps for writing up to ``room`` tokens after a read into ``cache``: static where
     :func:`static_steps_apply`, :func:`ring_steps_apply` or :func:`evicting_steps_apply` (on every device: a
     CPU gains too, no cache is concatenated per token), else the engine's own; ``static`` False forces the
-    engine's (the reference the static steps are tested against)."""
+    engine's (the reference the static steps are tested against); ``compiled`` compiles a static step
+    (:class:`StaticSteps`)."""
     if static and room > 0:
         if static_steps_apply(engine, cache, room):
-            return StaticSteps(engine, cache, room)
+            return StaticSteps(engine, cache, room, compiled=compiled)
         if ring_steps_apply(engine, cache, room):
-            return StaticSteps(engine, cache, room, layout=RingCache)
+            return StaticSteps(engine, cache, room, layout=RingCache, compiled=compiled)
         if evicting_steps_apply(engine, cache, room):
-            return StaticSteps(engine, cache, room, layout=EvictingCache)
+            return StaticSteps(engine, cache, room, layout=EvictingCache, compiled=compiled)
     return EagerSteps(engine, cache)

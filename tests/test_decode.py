@@ -319,3 +319,60 @@ def test_window_layers_write_in_a_ring_of_their_window(family, name, one_shot):
         return engine, cache, token
 
     assert_static_writes_as_eager(reading)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "treekv", "streamingllm"])
+def test_a_step_that_fails_to_compile_writes_what_the_plain_step_writes(model, name, monkeypatch):
+    """``compiled``: a program that raises (as dynamo does on what it cannot trace) is dropped for the plain step
+    with one warning, and the answer and the cache after it are the plain step's."""
+    engine, cache, token = read(model, name, one_shot=False)
+    expected_tokens, expected_logits = write(answer_steps(engine, cache, STEPS), token, STEPS)
+    expected_cache = current(cache)
+    engine, cache, token = read(model, name, one_shot=False)
+    calls = []
+
+    def failing_compile(step, **options):
+        def compiled():
+            calls.append(options)
+            raise RuntimeError("cannot trace this")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    steps = answer_steps(engine, cache, STEPS, compiled=True)
+    assert isinstance(steps, StaticSteps) and steps.program != steps.step
+    with pytest.warns(UserWarning, match="could not compile the decode step") as warned:
+        tokens, logits = write(steps, token, STEPS)
+    assert len(warned) == 1 and calls == [{"dynamic": False}]
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    assert_same_cache(expected_cache, current(cache))
+
+
+def test_a_compiled_step_runs_the_compiled_program(model, monkeypatch):
+    """Every step of a ``compiled`` static step goes through what ``torch.compile`` returned (the capture on a
+    GPU records that program), and writes what the plain step writes."""
+    engine, cache, token = read(model, "snapkv", one_shot=False)
+    expected_tokens, _ = write(answer_steps(engine, cache, STEPS), token, STEPS)
+    engine, cache, token = read(model, "snapkv", one_shot=False)
+    runs = []
+
+    def counting_compile(step, **options):
+        def compiled():
+            runs.append(1)
+            return step()
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    tokens, _ = write(answer_steps(engine, cache, STEPS, compiled=True), token, STEPS)
+    assert tokens == expected_tokens and len(runs) == STEPS
+
+
+@pytest.mark.slow
+def test_a_step_compiled_by_inductor_writes_what_the_plain_step_writes(model):
+    """The real ``torch.compile`` (inductor's C++ on a CPU; minutes): the same tokens as the plain step."""
+    engine, cache, token = read(model, "snapkv", one_shot=False)
+    expected_tokens, expected_logits = write(answer_steps(engine, cache, STEPS), token, STEPS)
+    engine, cache, token = read(model, "snapkv", one_shot=False)
+    tokens, logits = write(answer_steps(engine, cache, STEPS, compiled=True), token, STEPS)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)

@@ -94,6 +94,26 @@ def test_bench_speed_decode_lines(invoke):
     assert rows["decode kvcli snapkv"]["kv_cache_bytes"] == rows["kvcli snapkv"]["kv_cache_bytes"] + 7 * per_token
 
 
+def test_bench_speed_compiled_decode_lines(invoke, monkeypatch):
+    """``--decode N --compile``: the methods' static steps run what ``torch.compile`` returned, and their lines say
+    so (the compilation itself is replaced here: inductor takes minutes on a CPU)."""
+    compiled = []
+
+    def recording_compile(step, **options):
+        compiled.append(options)
+        return step
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    result = invoke("bench-speed", "--shape", "tiny", "--methods", "snapkv,treekv", "--cache", "32", "--block", "16",
+                    "--tokens", "32", "--decode", "3", "--compile", "--device", "cpu", "--matmul-size", "128",
+                    "--json", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["compile_decode"] is True and compiled == [{"dynamic": False}] * 2
+    assert [row["line"] for row in out["rows"]][-2:] == ["decode kvcli snapkv (compiled)",
+                                                         "decode kvcli treekv (compiled)"]
+
+
 def test_bench_speed_table_and_progress(invoke):
     result = invoke("bench-speed", "--shape", "tiny", "--cache", "16", "--block", "8", "--tokens", "16",
                     "--device", "cpu", "--matmul-size", "128")

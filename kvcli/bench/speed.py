@@ -228,10 +228,12 @@ def time_steps(step: Callable[[int], int], token: int, steps: int, device: torch
     return Timing(steps, time.perf_counter() - started, peak_memory_bytes(device))
 
 
-def time_decode_engine(model, method, ids: torch.Tensor, cache: int, block: int, steps: int) -> Timing:
+def time_decode_engine(model, method, ids: torch.Tensor, cache: int, block: int, steps: int,
+                       compiled: bool = False) -> Timing:
     """``steps`` greedy one-token steps of kvcli after a read of ``cache + block`` tokens (the cache full,
     compressed once), each step the one ``kvcli ask`` writes with (:func:`kvcli.decode.answer_steps`: the
-    engine's compressed forward, or the static step, captured as a CUDA graph on a GPU)."""
+    engine's compressed forward, or the static step, captured as a CUDA graph on a GPU; ``compiled``: through
+    ``torch.compile``, whose compilation falls in the untimed steps)."""
     from kvcli.decode import answer_steps
     from kvcli.engine import Engine
 
@@ -239,7 +241,7 @@ def time_decode_engine(model, method, ids: torch.Tensor, cache: int, block: int,
     kv = engine.new_cache()
     for start in range(0, cache + block, block):
         hidden = engine.forward(kv, ids[None, start:start + block], last_only=True)
-    answer = answer_steps(engine, kv, steps + 2)  # time_steps runs two untimed steps first
+    answer = answer_steps(engine, kv, steps + 2, compiled=compiled)  # time_steps runs two untimed steps first
 
     def step(token: int) -> int:
         return next_token(answer(token))
@@ -279,13 +281,15 @@ def time_decode_plain(model, ids: torch.Tensor, cache: int, steps: int) -> Timin
 
 def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None = None, tokens: int | None = None,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, matmul_size: int | None = None,
-              seed: int = 0, decode: int = 0, note: Callable[[str], None] | None = None) -> dict:
+              seed: int = 0, decode: int = 0, compile_decode: bool = False,
+              note: Callable[[str], None] | None = None) -> dict:
     """Build shape ``shape`` and time a plain forward and kvcli with each of ``methods`` (built
     :class:`kvcli.methods.base.Method` objects) on the same random tokens; one dict for ``--json``.
 
     ``block`` None is the engine's default for the device, ``tokens`` None :data:`DEFAULT_TOKENS`; the tokens
     timed are rounded down to whole blocks (at least one). ``decode`` > 0 adds lines of that many greedy
-    one-token steps against the full cache (plain, then each method): what writing an answer costs.
+    one-token steps against the full cache (plain, then each method): what writing an answer costs;
+    ``compile_decode`` runs the methods' static steps through ``torch.compile`` (:class:`kvcli.decode.StaticSteps`).
     """
     from kvcli.engine import default_block
 
@@ -324,8 +328,9 @@ def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None
         rows.append(row("decode plain (sdpa)", "decode-plain", None, plain_decode, None, per_step))
         for method in methods:
             note(f"decode kvcli {method.name}: {decode} steps")
-            timing = time_decode_engine(model, method, ids, cache, block, decode)
-            rows.append(row(f"decode kvcli {method.name}", "decode", method.name, timing,
+            timing = time_decode_engine(model, method, ids, cache, block, decode, compile_decode)
+            rows.append(row(f"decode kvcli {method.name}{' (compiled)' if compile_decode else ''}", "decode",
+                            method.name, timing,
                             plain_decode.tokens_per_second, per_step))
     config = model.config
     return {
@@ -338,6 +343,7 @@ def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None
         "block": block,
         "tokens": tokens,
         "decode_steps": decode,
+        "compile_decode": compile_decode,
         "layers": config.num_hidden_layers,
         "parameters": sum(p.numel() for p in model.parameters()),
         "matmul_parameters": matmul_parameters(model),

@@ -48,6 +48,10 @@ def bench_speed(
                                         "full cache (plain, then each method): the speed of writing an answer, with "
                                         "the step `ask` writes with (static and, on a GPU, a CUDA graph for every "
                                         "method but pyramidinfer and pod). 0: none.")] = 0,
+    compile_decode: Annotated[bool, typer.Option("--compile", help="With --decode: run the methods' static steps "
+                                                 "through torch.compile before the capture (fewer, fused kernels a "
+                                                 "token; tens of seconds of compilation first, not timed; a step "
+                                                 "that fails to compile runs as it is, with a warning).")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights and tokens.")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
     quiet: QuietOpt = False,
@@ -80,5 +84,6 @@ def bench_speed(
             stderr_console.print(message, markup=False, highlight=False)
 
     result = run_speed(shape, built, cache=cache, block=block_size, tokens=tokens, device=torch_device,
-                       dtype=torch_dtype, matmul_size=matmul_size, seed=seed, decode=decode, note=note)
+                       dtype=torch_dtype, matmul_size=matmul_size, seed=seed, decode=decode,
+                       compile_decode=compile_decode, note=note)
     print_result(dumps(result) if json_out else speed_table(result))
