@@ -7,6 +7,7 @@ Layout under :func:`cache_root` (``KVCLI_CACHE``, else ``$XDG_CACHE_HOME/kvcli``
                                      weights, config, generation config, tokenizer, chat template) plus
     models/<name>/kvcli-entry.json   its manifest, written last: source, variant, every file's size
     models/.build-<name>-*/          an entry being built, renamed to ``models/<name>`` when complete
+    models/.trash-<name>-*/          an entry being removed (renamed out of place first, then deleted)
     models/.locks/<name>.lock        held while an entry is built, so two first loads build it once
     models/.sources/<id>.json        a source file's SHA-256, remembered against its ``stat``
 
@@ -26,6 +27,9 @@ Rules, and why:
   weights file cut short is found before it is read); a damaged entry is rebuilt after one warning.
   Same-size corruption is not looked for: hashing the weights would cost more than the load it saves.
 * **Data only.** Entries hold safetensors and JSON; nothing in the cache is unpickled or run.
+* **Deletes only its own.** ``kvcli cache clear`` removes a folder only when its name is an entry's name and
+  it holds a manifest kvcli wrote (:func:`is_entry`), or when it is one of kvcli's temporary folders; anything
+  else under ``models/`` (a model someone saved there) is left alone and named.
 * **Optional.** When the cache folder cannot be written, the caller loads the source directly, after one
   line saying so.
 
@@ -34,10 +38,12 @@ This module imports neither torch nor transformers: ``kvcli cache`` lists and cl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import time
@@ -45,6 +51,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvcli.errors import KvcliError
 
 try:
     import fcntl
@@ -57,6 +65,17 @@ MANIFEST = "kvcli-entry.json"
 #: A ``stat`` this recent may not change on a write in the same clock tick, so its hash is not remembered.
 RACY_SECONDS = 2.0
 _BUILD_PREFIX = ".build-"
+_TRASH_PREFIX = ".trash-"
+#: An entry's folder name: :func:`_slug` of its label, then 16 hex digits of its key (see :func:`converted`).
+_ENTRY_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,79}-[0-9a-f]{16}"
+#: kvcli's temporary folders: a build (``tempfile.mkdtemp``'s random suffix) or a removal of an entry.
+_TEMPORARY_NAME = rf"\.(?:build|trash)-({_ENTRY_NAME})-[A-Za-z0-9_]+"
+#: A remembered source hash (see :func:`file_sha256`).
+_MEMO_NAME = r"[0-9a-f]{32}\.json"
+#: What :func:`_write_json` leaves when killed while it writes a remembered hash.
+_MEMO_TEMPORARY = rf"{_MEMO_NAME}\.\d+\.partial"
+#: kvcli's own folders beside the entries.
+_OWN_FOLDERS = (".locks", ".sources")
 
 
 class CacheUnwritable(Exception):
@@ -182,35 +201,86 @@ def discard(entry: Path) -> None:
 
 
 def entries() -> list[Entry]:
-    """Every entry in the cache, complete or not (interrupted builds included), by name."""
+    """kvcli's entries in the cache, complete or not (interrupted builds and removals included), by name."""
+    return scan()[0]
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """What :func:`clear` did: entries removed, the bytes they held, and what it left because kvcli did not make
+    it (names under ``models/``)."""
+
+    removed: int
+    bytes: int
+    foreign: list[str]
+
+
+def scan() -> tuple[list[Entry], list[str]]:
+    """kvcli's entries and temporary folders (as :class:`Entry`), and the names of everything else under
+    ``models/``: what kvcli did not make, which it lists but never removes."""
     folder = models_dir()
+    _check_is_folder(cache_root())
+    _check_is_folder(folder)
     if not folder.is_dir():
-        return []
-    out = []
+        return [], []
+    found, foreign = [], []
     for path in sorted(folder.iterdir()):
-        if not path.is_dir() or path.name in (".locks", ".sources"):
+        if path.name in _OWN_FOLDERS:
             continue
-        problem = "an interrupted or running conversion" if path.name.startswith(_BUILD_PREFIX) else check(path)
-        try:
-            manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            manifest = None
-        out.append(Entry(path, _folder_bytes(path), manifest if isinstance(manifest, dict) else None, problem))
-    return out
+        if _temporary_of(path) is not None:
+            what = "an interrupted removal" if path.name.startswith(_TRASH_PREFIX) else \
+                "an interrupted or running conversion"
+            found.append(Entry(path, _folder_bytes(path), None, what))
+        elif is_entry(path):
+            found.append(Entry(path, _folder_bytes(path), _manifest(path), check(path)))
+        else:
+            foreign.append(path.name)
+    return found, foreign
 
 
-def clear() -> tuple[int, int]:
-    """Remove every entry and remembered hash; ``(entries removed, bytes freed)``.
+def is_entry(path: Path) -> bool:
+    """Whether kvcli made ``path``: a real folder (not a link) with an entry's name, holding a manifest of the
+    current format. Only such folders (and kvcli's temporaries) are ever removed by :func:`clear`."""
+    if not re.fullmatch(_ENTRY_NAME, path.name) or not path.is_dir() or path.is_symlink():
+        return False
+    manifest = _manifest(path)
+    return manifest is not None and manifest.get("format") == FORMAT and isinstance(manifest.get("files"), dict)
 
-    A command loading a model at the same time may find its entry gone and build it again.
+
+def clear() -> Cleared:
+    """Remove kvcli's entries, its temporary folders and its remembered hashes, leaving anything else alone.
+
+    Each entry is renamed out of place first, then deleted, so an interrupted clear leaves no half entry, only a
+    ``.trash-*`` folder that the next clear removes. A build in progress (its lock held) is left to finish. A
+    command loading a model at the same time may find its entry gone and build it again. Raises
+    :class:`KvcliError` when something kvcli made could not be removed (a read-only cache), saying how much was.
     """
-    removed = []
-    for entry in entries():
-        _remove(entry.path)
-        if not entry.path.exists():
-            removed.append(entry)
-    shutil.rmtree(models_dir() / ".sources", ignore_errors=True)
-    return len(removed), sum(entry.bytes for entry in removed)
+    found, foreign = scan()
+    removed, freed, failures = 0, 0, []
+    for entry in found:
+        if entry.name.startswith(_BUILD_PREFIX) and _building(_temporary_of(entry.path)):
+            continue
+        try:
+            _delete(entry.path)
+        except OSError as exc:
+            failures.append(exc)
+            continue
+        if entry.manifest is not None:
+            removed, freed = removed + 1, freed + entry.bytes
+    sources = models_dir() / ".sources"
+    for memo in sorted(sources.iterdir()) if sources.is_dir() else []:
+        if re.fullmatch(_MEMO_NAME, memo.name) or re.fullmatch(_MEMO_TEMPORARY, memo.name):
+            try:
+                memo.unlink()
+            except OSError as exc:
+                failures.append(exc)
+    if failures:
+        reason = failures[0].strerror or str(failures[0])
+        raise KvcliError(f"could not clear the model cache {models_dir()} ({reason}): removed {removed} cached "
+                         f"model{'' if removed == 1 else 's'}; make it writable (chmod u+w) and run it again")
+    with contextlib.suppress(OSError):
+        sources.rmdir()  # only when nothing else is in it
+    return Cleared(removed, freed, foreign)
 
 
 def _build(final: Path, source: Path, variant: dict[str, str], convert: Callable[[Path], None]) -> None:
@@ -256,6 +326,51 @@ def _locked(entry: Path) -> Iterator[None]:
 def _remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _delete(path: Path) -> None:
+    """Remove one of kvcli's folders in the cache: renamed out of place first (a kill leaves no half entry),
+    then deleted; an OSError when either step fails (a read-only cache)."""
+    trash = path
+    if not path.name.startswith(_TRASH_PREFIX):
+        trash = path.with_name(f"{_TRASH_PREFIX}{_temporary_of(path) or path.name}-{secrets.token_hex(4)}")
+        os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def _temporary_of(path: Path) -> str | None:
+    """The entry name a temporary folder (a build or a removal) belongs to; None for anything else."""
+    match = re.fullmatch(_TEMPORARY_NAME, path.name)
+    return match.group(1) if match and path.is_dir() and not path.is_symlink() else None
+
+
+def _building(name: str) -> bool:
+    """Whether a live process holds entry ``name``'s build lock (so its build folder is in use)."""
+    lock = models_dir() / ".locks" / f"{name}.lock"
+    if fcntl is None or not lock.is_file():
+        return False
+    with open(lock, "rb") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+    return False
+
+
+def _check_is_folder(path: Path) -> None:
+    """A one-line error when the cache (or its ``models/``) is a file: nothing could be cached in it."""
+    if path.exists() and not path.is_dir():
+        raise KvcliError(f"the model cache {path} is a file, not a folder: set KVCLI_CACHE to a folder "
+                         "(or unset it to use ~/.cache/kvcli)")
+
+
+def _manifest(entry: Path) -> dict | None:
+    """``entry``'s manifest as a JSON object, or None when it has none that can be read."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 def _identity(path: Path) -> dict[str, int]:
