@@ -3,8 +3,9 @@
 Two ways to write, by what a reader must never see:
 
 * :func:`atomic_write` replaces a whole file (a checkpoint, a merged rows file): the bytes go to a
-  temporary file in the same folder, are flushed to disk, and the temporary file is renamed over
-  the target, so a reader finds the old file or the new one, never a mixture.
+  new temporary file in the same folder (an unpredictable name, created exclusively, never through a
+  link), are flushed to disk, the temporary file is renamed over the target and the folder is
+  flushed too, so a reader, a kill or a power cut finds the old file or the new one, never a mixture.
 * :class:`RowLog` appends rows, one JSON object a line, each with a single ``write`` of the whole
   line; a reader ignores a last line without its newline, and the owner cuts it off before
   appending again, so after any kind of death the file holds whole rows only.
@@ -16,8 +17,10 @@ minutes of work. :func:`lock_folder` makes a folder one run's own for as long as
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -154,24 +157,73 @@ def remove_partial(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` all at once: write a temporary file beside it, then rename.
+    """Replace ``path`` with ``data`` all at once (:func:`replace_file`); a failure is a :class:`KvcliError`.
 
     Only a regular file (or a new one) is replaced so: renaming over a device or a pipe would remove it.
     """
     path = Path(path)
     if path.exists() and not path.is_file():
         raise KvcliError(f"cannot write {path}: not a regular file (it is replaced whole, never written into)")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as stream:
+        replace_file(path, data)
+    except OSError as exc:
+        raise KvcliError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def replace_file(path: Path, data: bytes, *, mode: int = 0o666) -> None:
+    """Replace ``path`` with ``data`` so that a reader, a kill or a power cut finds the old file or the new one.
+
+    The bytes go to a new temporary file beside ``path`` (:func:`new_temporary`), are synced to disk, and the
+    file is renamed over ``path``; then the folder is synced, so that the rename itself survives a power cut.
+    ``path`` itself is never opened: a link there is replaced, not followed. An ``OSError`` leaves ``path`` as it
+    was and no temporary file behind.
+    """
+    path = Path(path)
+    fd, temporary = new_temporary(path, mode)
+    try:
+        with os.fdopen(fd, "wb") as stream:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise KvcliError(f"cannot write {path}: {exc.strerror or exc}") from None
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    sync_folder(path.parent)
+
+
+def new_temporary(path: Path, mode: int = 0o600) -> tuple[int, Path]:
+    """A new, empty file beside ``path`` under an unpredictable name, open for writing: ``(descriptor, path)``.
+
+    It is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (never an existing file, never through a link someone
+    planted under the name) and ``mode`` less the umask (0o600: private; 0o666: as ``open`` would create it).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | \
+        getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        temporary = path.with_name(f".{path.name[:200]}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(temporary, flags, mode), temporary
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path.parent))
+
+
+def sync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries (a rename, a new file) to disk; a no-op where folders cannot be opened (Windows)
+    or synced (some network file systems)."""
+    if os.name == "nt":
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
-        tmp.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def read_rows(path: Path, required: str = "document") -> list[dict]:

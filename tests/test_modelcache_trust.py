@@ -120,3 +120,66 @@ def test_a_cache_that_is_a_file_is_one_line(tmp_path, monkeypatch, invoke, comma
     line = one_line(invoke(*command), 1)
     assert str(blocker) in line and "is a file, not a folder" in line and "KVCLI_CACHE" in line
     assert blocker.read_text() == "x"
+
+
+# --------------------------------------------------------------------------- temporary files
+
+def test_atomic_write_never_writes_through_a_planted_temporary_name(tmp_path, monkeypatch):
+    """The temporary file is created exclusively: a link planted under the name it picks is skipped (another name
+    is drawn), so the link's target is untouched; the target is replaced whole and nothing is left behind."""
+    from kvcli import outputs
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    target = tmp_path / "state.pt"
+    (tmp_path / ".state.pt.planted.tmp").symlink_to(victim)
+    names = iter(["planted", "fresh"])
+    monkeypatch.setattr(outputs.secrets, "token_hex", lambda _n: next(names))
+    outputs.atomic_write(target, b"new")
+    assert target.read_bytes() == b"new" and victim.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".state.pt.planted.tmp", "state.pt", "victim"]
+
+
+def test_atomic_write_replaces_a_link_instead_of_writing_through_it(tmp_path):
+    from kvcli.outputs import atomic_write
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    target = tmp_path / "out.json"
+    target.symlink_to(victim)
+    atomic_write(target, b"{}")
+    assert not target.is_symlink() and target.read_bytes() == b"{}" and victim.read_text() == "keep me"
+
+
+def test_atomic_write_syncs_the_file_and_then_its_folder(tmp_path, monkeypatch):
+    """The rename survives a power cut only once the folder is synced too."""
+    import stat
+
+    from kvcli import outputs
+
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(outputs.os, "fsync", fsync)
+    outputs.atomic_write(tmp_path / "out.json", b"{}")
+    assert synced == ["file", "folder"]
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    from kvcli import outputs
+    from kvcli.errors import KvcliError
+
+    target = tmp_path / "out.json"
+    target.write_text("old")
+
+    def full(*_args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(outputs.os, "replace", full)
+    with pytest.raises(KvcliError, match="No space left"):
+        outputs.atomic_write(target, b"new")
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["out.json"]
