@@ -29,7 +29,8 @@ def cache(tmp_path, monkeypatch) -> Path:
 def built(tmp_path: Path, content: bytes = b"weights") -> Path:
     """A complete entry (fake conversion of a source file holding ``content``)."""
     source = tmp_path / f"model-{content.hex()[:8]}.gguf"
-    source.write_bytes(content)
+    if not source.exists():
+        source.write_bytes(content)
     return modelcache.converted(source, "fake", {"dtype": "x"}, _fake_convert, warn=pytest.fail)
 
 
@@ -183,3 +184,277 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, mo
     with pytest.raises(KvcliError, match="No space left"):
         outputs.atomic_write(target, b"new")
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+# --------------------------------------------------------------------------- entries are checked before use
+
+def _cut(entry: Path, victim: Path) -> None:
+    weights = entry / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:10])
+
+
+def _swapped_same_size(entry: Path, victim: Path) -> None:
+    """Another file of the same size renamed over the weights (a new inode)."""
+    weights = entry / "model.safetensors"
+    other = entry / "other"
+    other.write_bytes(b"y" * weights.stat().st_size)
+    os.replace(other, weights)
+
+
+def _rewritten_in_place(entry: Path, victim: Path) -> None:
+    """Same size, same inode, mtime set back: only ctime (and the bytes) tell."""
+    weights = entry / "model.safetensors"
+    before = weights.stat()
+    with open(weights, "r+b") as handle:
+        handle.write(b"z" * 10)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def _linked(entry: Path, victim: Path) -> None:
+    """The weights replaced by a link to a file of the same bytes elsewhere: never followed, and never deleted."""
+    weights = entry / "model.safetensors"
+    victim.write_bytes(weights.read_bytes())
+    weights.unlink()
+    weights.symlink_to(victim)
+
+
+def _removed(entry: Path, victim: Path) -> None:
+    (entry / "config.json").unlink()
+
+
+def _hash_edited(entry: Path, victim: Path) -> None:
+    """The manifest's hash of the weights edited (its seal no longer holds): the bytes are read and compared."""
+    manifest = json.loads((entry / modelcache.MANIFEST).read_text())
+    manifest["files"]["model.safetensors"]["sha256"] = "0" * 64
+    (entry / modelcache.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _manifest_of_another_entry(entry: Path, victim: Path) -> None:
+    manifest = json.loads((entry / modelcache.MANIFEST).read_text())
+    manifest["source"]["sha256"] = "0" * 64
+    (entry / modelcache.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _folder_linked(entry: Path, victim: Path) -> None:
+    """The entry's folder replaced by a link to a copy of it elsewhere."""
+    import shutil
+
+    shutil.copytree(entry, victim)
+    shutil.rmtree(entry)
+    entry.symlink_to(victim, target_is_directory=True)
+
+
+FAULTS = {"cut": (_cut, "has 10 bytes"), "swapped, same size": (_swapped_same_size, "SHA-256 differs"),
+          "rewritten in place, mtime set back": (_rewritten_in_place, "SHA-256 differs"),
+          "a link": (_linked, "not a regular file"), "removed": (_removed, "config.json is missing"),
+          "its hash edited": (_hash_edited, "SHA-256 differs"),
+          "a manifest of another entry": (_manifest_of_another_entry, "another entry"),
+          "the folder a link": (_folder_linked, "not a folder kvcli made")}
+
+
+def test_every_fault_of_an_entry_is_rebuilt_after_one_warning(tmp_path, cache):
+    """Each fault is found before the entry is used, named in one warning, and the entry is built again; what a
+    planted link pointed at is left as it was."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"weights")
+    log = tmp_path / "builds.log"
+
+    def convert(folder: Path) -> None:
+        _fake_convert(folder, log)
+
+    first = modelcache.converted(source, "fake", {"dtype": "x"}, convert, warn=pytest.fail)
+    for number, (name, (fault, expected)) in enumerate(FAULTS.items(), start=2):
+        victim = tmp_path / f"victim-{number}"
+        fault(first, victim)
+        kept = victim.read_bytes() if victim.is_file() else None
+        messages: list[str] = []
+        again = modelcache.converted(source, "fake", {"dtype": "x"}, convert, warn=messages.append)
+        assert again == first, name
+        assert len(messages) == 1 and "damaged" in messages[0] and expected in messages[0], (name, messages)
+        assert len(log.read_text().splitlines()) == number, name  # built again
+        assert modelcache.check(first) is None and not first.is_symlink(), name
+        assert (first / "model.safetensors").read_bytes() == b"x" * 1000, name
+        if kept is not None:
+            assert victim.read_bytes() == kept, name
+        if victim.is_dir():
+            assert (victim / "model.safetensors").read_bytes() == b"x" * 1000, name
+
+
+def test_an_untouched_entry_is_vouched_for_without_reading_it_all(tmp_path, cache, monkeypatch):
+    """The cheap check: once a full check has settled a file's stat (RACY_SECONDS after its last change), later
+    loads read only the sampled blocks; a copy of the entry (new inodes) is checked in full once, then resealed."""
+    monkeypatch.setattr(modelcache, "RACY_SECONDS", -1.0)  # files this young are settled at once
+    entry = built(tmp_path)
+    hashed = []
+    full = modelcache._hashed
+    monkeypatch.setattr(modelcache, "_hashed", lambda path: hashed.append(path.name) or full(path))
+    assert modelcache.check(entry) is None and hashed == []
+    for path in entry.iterdir():  # a copy (as cp -r or a restore from backup makes): new inodes and ctimes
+        data = path.read_bytes()
+        path.unlink()
+        path.write_bytes(data)
+    assert built(tmp_path) == entry and sorted(hashed) == ["config.json", "model.safetensors"]
+    assert built(tmp_path) == entry and len(hashed) == 2  # resealed by the first
+    assert modelcache.check(entry) is None and len(hashed) == 2
+
+
+def test_a_just_built_entry_is_checked_in_full_until_its_stat_settles(tmp_path, cache, monkeypatch):
+    """A stat taken in the same clock tick as a write cannot tell it from a later one, so an entry younger than
+    RACY_SECONDS is hashed on every check and never resealed."""
+    entry = built(tmp_path)
+    hashed = []
+    full = modelcache._hashed
+    monkeypatch.setattr(modelcache, "_hashed", lambda path: hashed.append(path.name) or full(path))
+    manifest = (entry / modelcache.MANIFEST).read_bytes()
+    assert built(tmp_path) == entry and built(tmp_path) == entry
+    assert sorted(name for name in hashed if not name.endswith(".gguf")) == ["config.json"] * 2 + \
+        ["model.safetensors"] * 2
+    assert (entry / modelcache.MANIFEST).read_bytes() == manifest
+
+
+def test_the_seal_catches_bytes_changed_under_an_unchanged_stat(tmp_path, cache, monkeypatch):
+    """A file system whose timestamps do not move on a write (simulated: the stat is reported unchanged) still
+    fails the cheap check, whose seal covers sampled bytes, and the full check then finds the change."""
+    monkeypatch.setattr(modelcache, "RACY_SECONDS", -1.0)
+    entry = built(tmp_path)
+    weights = entry / "model.safetensors"
+    recorded = json.loads((entry / modelcache.MANIFEST).read_text())["files"]["model.safetensors"]
+    identity = modelcache._identity
+    monkeypatch.setattr(modelcache, "_identity",
+                        lambda path: recorded["stat"] if path.name == weights.name else identity(path))
+    assert modelcache.check(entry) is None
+    with open(weights, "r+b") as handle:
+        handle.write(b"z")
+    assert "SHA-256 differs" in modelcache.check(entry)
+
+
+def test_a_remembered_source_hash_of_another_file_is_not_used(tmp_path, cache, monkeypatch):
+    """A memo copied from another source (as a swap of two files' memos would leave) names another path and is
+    ignored; a source moved over another keeps neither's memo (new inode): both are hashed again."""
+    import hashlib
+
+    monkeypatch.setattr(modelcache, "RACY_SECONDS", -1.0)
+    modelcache.ready(create=True)
+    one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
+    one.write_bytes(b"one")
+    two.write_bytes(b"two")
+    assert modelcache.file_sha256(one) == hashlib.sha256(b"one").hexdigest()
+    assert modelcache.file_sha256(two) == hashlib.sha256(b"two").hexdigest()
+    memo_one, memo_two = modelcache._memo_of(one.resolve()), modelcache._memo_of(two.resolve())
+    memo_two.write_bytes(memo_one.read_bytes())
+    assert modelcache.file_sha256(two) == hashlib.sha256(b"two").hexdigest()
+    os.replace(one, two)
+    assert modelcache.file_sha256(two) == hashlib.sha256(b"one").hexdigest()
+
+
+# --------------------------------------------------------------------------- the cache folder must be private
+
+@pytest.fixture()
+def tiny_gguf(tmp_path) -> Path:
+    from test_modelcache import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path / "tiny.gguf")
+
+
+def _load(path: Path, warn):
+    from kvcli.models import discard, load_model
+
+    loaded = load_model(str(path), device="cpu", dtype="float32", warn=warn)
+    discard(loaded)
+    return loaded
+
+
+@pytest.mark.parametrize("where", ["root", "models"])
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
+def test_a_cache_others_can_write_is_refused_with_how_to_fix_it(tmp_path, cache, where, mode):
+    folder = cache if where == "root" else cache / "models"
+    folder.mkdir(parents=True, mode=0o700)
+    folder.chmod(mode)
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"weights")
+    messages: list[str] = []
+    assert modelcache.converted(source, "fake", {}, _fake_convert, warn=messages.append) is None
+    [line] = messages
+    assert f"{folder} can be written by other users" in line and f"chmod 700 {folder}" in line, line
+    assert "KVCLI_CACHE" in line and list(folder.iterdir()) == []  # nothing made in it
+    with pytest.raises(modelcache.CacheRefused, match="chmod 700"):
+        modelcache.clear()
+
+
+def test_a_cache_of_another_user_is_refused(tmp_path, cache, monkeypatch, invoke):
+    """Simulated (the tests run as root, who owns every folder they make): this process claims another uid."""
+    entry = built(tmp_path)
+    monkeypatch.setattr(modelcache.os, "geteuid", lambda: 4242)
+    source = tmp_path / "model-77656967.gguf"
+    messages: list[str] = []
+    assert modelcache.converted(source, "fake", {"dtype": "x"}, _fake_convert, warn=messages.append) is None
+    [line] = messages
+    assert f"the model cache {cache} belongs to another user (uid {os.getuid()})" in line, line
+    assert "set KVCLI_CACHE to a folder of your own" in line
+    assert "belongs to another user" in one_line(invoke("cache", "clear"), 1)
+    assert modelcache.check(entry) is None
+
+
+def test_a_refused_cache_still_loads_the_model_with_one_warning(tiny_gguf, cache):
+    cache.mkdir(mode=0o700)
+    cache.chmod(0o775)
+    messages: list[str] = []
+    loaded = _load(tiny_gguf, messages.append)
+    assert len(messages) == 1 and "chmod 700" in messages[0], messages
+    assert loaded.tokenizer("the cat").input_ids and not (cache / "models").exists()
+
+
+def test_the_cache_folders_are_made_private(tmp_path, cache):
+    entry = built(tmp_path)
+    for folder in (cache, cache / "models", cache / "models" / ".locks", entry):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
+    assert (entry / modelcache.MANIFEST).stat().st_mode & 0o777 == 0o600
+
+
+def test_swapped_weights_of_the_same_size_are_rebuilt_before_they_are_loaded(tiny_gguf, cache):
+    """End to end with a real entry: zeros of the weights' size are found by the hash, not by the load failing,
+    and the model loaded is the one the GGUF gives."""
+    from test_modelcache import assert_same_model, state
+
+    first = {name: tensor.clone() for name, tensor in state(_load(tiny_gguf, pytest.fail).model).items()}
+    [entry] = modelcache.entries()
+    weights = entry.path / "model.safetensors"
+    weights.write_bytes(bytes(weights.stat().st_size))
+    messages: list[str] = []
+    assert_same_model(_load(tiny_gguf, messages.append), first)
+    assert len(messages) == 1 and "SHA-256 differs" in messages[0], messages
+
+
+def _converted_in_child(source: str, log: str, out) -> None:
+    messages: list[str] = []
+    path = modelcache.converted(Path(source), "fake", {"dtype": "x"}, lambda f: _fake_convert(f, Path(log), 0.5),
+                                warn=messages.append)
+    out.put((str(path), messages))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_two_loads_of_a_damaged_entry_at_once_rebuild_it_once(tmp_path, cache):
+    """The first to take the lock rebuilds it; the second, which found it damaged (or already removed) and waited
+    for the lock, finds it complete and uses it. Each says at most one line."""
+    import multiprocessing
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"weights")
+    log = tmp_path / "builds.log"
+    entry = modelcache.converted(source, "fake", {"dtype": "x"}, lambda f: _fake_convert(f, log), warn=pytest.fail)
+    _swapped_same_size(entry, tmp_path / "unused")
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    children = [context.Process(target=_converted_in_child, args=(str(source), str(log), out)) for _ in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(60)
+        assert child.exitcode == 0
+    results = [out.get(timeout=5) for _ in children]
+    assert [path for path, _ in results] == [str(entry)] * 2
+    warnings = [line for _, messages in results for line in messages]
+    assert all(len(messages) <= 1 for _, messages in results) and warnings, results
+    assert all("SHA-256 differs" in line for line in warnings), warnings
+    assert len(log.read_text().splitlines()) == 2  # the first build, and one rebuild
+    assert modelcache.check(entry) is None and [e.path for e in modelcache.entries()] == [entry]
