@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcli.errors import KvcliError
-from kvcli.outputs import replace_file, sync_folder
+from kvcli.outputs import open_lock, replace_file, sync_folder
 
 try:
     import fcntl
@@ -596,9 +596,11 @@ def _locked(entry: Path, *, wait: bool = True) -> Iterator[None]:
     lock = entry.parent / ".locks" / f"{entry.name}.lock"
     try:
         lock.parent.mkdir(mode=0o700, exist_ok=True)
-        handle = open(lock, "a+b")  # noqa: SIM115 (closed below, after the lock is released)
+        handle = os.fdopen(open_lock(lock), "r+b")
     except OSError as exc:
         raise CacheUnwritable(exc.strerror or str(exc)) from None
+    except KvcliError as exc:
+        raise CacheRefused(str(exc)) from None
     try:
         if fcntl is not None:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -642,7 +644,11 @@ def _building(name: str) -> bool:
     lock = models_dir() / ".locks" / f"{name}.lock"
     if fcntl is None or not lock.is_file():
         return False
-    with open(lock, "rb") as handle:
+    try:
+        handle = os.fdopen(open_lock(lock), "r+b")
+    except (OSError, KvcliError):
+        return False
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

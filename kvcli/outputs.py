@@ -21,12 +21,18 @@ import errno
 import json
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from kvcli.errors import KvcliError
 from kvcli.report import dumps
+
+try:
+    import fcntl
+except ImportError:  # Windows: only locking a folder needs it, and says so (lock_folder)
+    fcntl = None
 
 
 def check_output(path: Path, flag: str, *, folder: bool = False) -> Path:
@@ -99,14 +105,15 @@ def lock_folder(folder: Path, flag: str) -> Iterator[Path]:
     """Hold ``folder`` (created if missing) for one run: a second run that asks for it while this one lasts is
     refused at once with one line that names the holder's process id.
 
-    The lock is ``fcntl.flock`` on ``folder/.kvcli.lock``: the kernel drops it when the process ends in
-    any way (``kill -9`` included), so a killed run never leaves a stale lock to clean up. The file
-    stays behind, since deleting it would let two runs lock two different files. Locking a folder
-    this process already holds nests (the CLI locks before loading the model, the library again).
+    The lock is ``fcntl.flock`` on ``folder/.kvcli.lock`` (:func:`open_lock`: never through a link): the kernel
+    drops it when the process ends in any way (``kill -9`` included), so a killed run never leaves a stale lock
+    to clean up. The file stays behind, since deleting it would let two runs lock two different files. Locking
+    a folder this process already holds nests (the CLI locks before loading the model, the library again).
     """
-    import fcntl
-
     folder = check_output(folder, flag, folder=True)
+    if fcntl is None:
+        raise KvcliError(f"{flag} {folder}: locking a folder needs POSIX file locks (fcntl), which this platform "
+                         "does not have")
     key = str(folder.resolve())
     if key in _HELD:
         _HELD[key][1] += 1
@@ -117,9 +124,11 @@ def lock_folder(folder: Path, flag: str) -> Iterator[Path]:
         return
     path = folder / LOCK_FILE
     try:
-        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run, closed below
+        handle = os.fdopen(open_lock(path), "r+", encoding="utf-8")
     except OSError as exc:
         raise KvcliError(f"{flag} {folder}: cannot create {LOCK_FILE} ({exc.strerror or exc})") from None
+    except KvcliError as exc:
+        raise KvcliError(f"{flag} {exc}") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -138,6 +147,29 @@ def lock_folder(folder: Path, flag: str) -> Iterator[Path]:
     finally:
         del _HELD[key]
         handle.close()  # closing the file releases the lock
+
+
+def open_lock(path: Path) -> int:
+    """A descriptor of the lock file ``path``, open for reading and writing: created with mode 0o600 when missing,
+    never opened through a symbolic link, and kept only when it is a regular file with no other name. kvcli
+    writes its process id into a lock file, so a link or a hard link planted under its name would have it
+    overwrite someone else's file; such a path is a :class:`KvcliError` naming what is there. An ``OSError``
+    when it cannot be opened (permissions, a folder)."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise KvcliError(f"{path} is a symbolic link, not a lock file of kvcli's: remove it (kvcli never "
+                             "locks or writes through a link)") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else "a hard link to another file"
+        raise KvcliError(f"{path} is {what}, not a lock file of kvcli's: remove it")
+    return fd
 
 
 def open_output(path: Path, flag: str, mode: str = "w"):

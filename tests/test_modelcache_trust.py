@@ -596,3 +596,88 @@ def test_two_first_runs_assemble_the_model_once(assembled, cache, monkeypatch):
     assert [out.get(timeout=5) for _ in children] == [str(cache / "fake-parts.gguf")] * 2
     assert len(assembled.read_text().splitlines()) == 1
     assert (cache / "fake-parts.gguf").read_bytes() == ASSEMBLED
+
+
+# --------------------------------------------------------------------------- locks are never followed
+
+def _planted(folder: Path, kind: str, victim: Path) -> None:
+    lock = folder / ".kvcli.lock"
+    if kind == "a link":
+        lock.symlink_to(victim)
+    elif kind == "a dangling link":
+        lock.symlink_to(victim.with_name("not-yet"))
+    elif kind == "a hard link":
+        os.link(victim, lock)
+    else:
+        os.mkfifo(lock)
+
+
+@pytest.mark.parametrize("kind", ["a link", "a dangling link", "a hard link", "a fifo"])
+@pytest.mark.parametrize("command", ["ppl --checkpoint", "adapt --out"])
+def test_a_planted_lock_file_is_refused_and_its_target_untouched(tmp_path, invoke, book, kind, command):
+    """kvcli writes its process id into ``.kvcli.lock``: a link planted there (to a victim file, or to where one
+    would be created) or a hard link would have it overwrite another file, and a fifo would hang it. Each is one
+    line before any model loads, and the victim is unchanged."""
+    folder = tmp_path / "held"
+    folder.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    _planted(folder, kind, victim)
+    if command == "ppl --checkpoint":
+        args = ["ppl", book, "--model", "/no/such/model", "--checkpoint", folder, "--quiet"]
+        flag = "--checkpoint"
+    else:
+        args = ["adapt", "--model", "/no/such/model", "--data", book, "--tokens", 128, "--out", folder, "--quiet"]
+        flag = "--out"
+    line = one_line(invoke(*args), 1)
+    assert line.startswith(f"kvcli: error: {flag} {folder / '.kvcli.lock'} is ") and "remove it" in line, line
+    assert victim.read_text() == "precious\n" and not victim.with_name("not-yet").exists()
+
+
+def test_a_planted_link_for_the_model_caches_lock_is_never_followed(tmp_path, cache):
+    """The build lock of an entry: a link there is refused (one warning, the model is loaded without the cache)
+    and what it points at is neither created nor changed."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"weights")
+    modelcache.ready(create=True)
+    locks = cache / "models" / ".locks"
+    locks.mkdir(mode=0o700)
+    key = modelcache._key(modelcache.file_sha256(source), {})
+    victim = tmp_path / "victim.txt"
+    (locks / f"fake-{key[:16]}.lock").symlink_to(victim)
+    messages: list[str] = []
+    assert modelcache.converted(source, "fake", {}, _fake_convert, warn=messages.append) is None
+    assert len(messages) == 1 and "is a symbolic link" in messages[0], messages
+    assert not victim.exists() and modelcache.entries() == []
+
+
+def test_without_fcntl_kvcli_imports_and_only_locking_a_folder_fails(tmp_path):
+    """As on Windows, where there is no fcntl: the modules import, the model cache builds without its lock (the
+    atomic rename still leaves a complete entry or none), and lock_folder is one clear error."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["fcntl"] = None  # import fcntl raises ImportError, as on Windows
+from pathlib import Path
+from kvcli import modelcache, outputs
+from kvcli.errors import KvcliError
+assert outputs.fcntl is None and modelcache.fcntl is None
+source = Path(sys.argv[1]) / "model.gguf"
+source.write_bytes(b"weights")
+def convert(folder):
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+assert modelcache.converted(source, "fake", {}, convert, warn=print) is not None
+try:
+    with outputs.lock_folder(Path(sys.argv[1]) / "ckpt", "--checkpoint"):
+        pass
+except KvcliError as exc:
+    print(exc)
+"""
+    env = {**os.environ, "KVCLI_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).parents[1])}
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (f"--checkpoint {tmp_path / 'ckpt'}: locking a folder needs POSIX file locks "
+                                     "(fcntl), which this platform does not have")
