@@ -249,6 +249,7 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
         elif not _is_hub_id(spec):
             raise KvcliError(f"--model {spec}: no such file or folder (and not a Hugging Face id)")
         else:
+            _check_hub_reachable(spec)
             with _quiet():
                 tokenizer = AutoTokenizer.from_pretrained(spec, **SAFE_LOADING)
                 model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
@@ -404,6 +405,30 @@ def _is_hub_id(spec: str) -> bool:
     except HFValidationError:
         return False
     return True
+
+
+def _check_hub_reachable(spec: str) -> None:
+    """Fail at once, in one line, when Hub id ``spec`` must be downloaded and the Hub cannot be reached.
+
+    Without a network, transformers retries for about a minute before it gives up. An id already in the local
+    Hugging Face cache loads without the network (transformers falls back to the cache), and with
+    ``HF_HUB_OFFLINE`` set transformers fails at once itself; otherwise one request for the model's
+    ``config.json``, without retries, tells whether the Hub answers. When it answers, even "no such model",
+    transformers goes on and reports what it said.
+    """
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        return
+    try:
+        get_hf_file_metadata(hf_hub_url(spec, "config.json"), timeout=10)
+    except HfHubHTTPError:
+        return
+    except Exception as exc:  # noqa: BLE001 (the HTTP client's own network and timeout errors)
+        raise KvcliError(f"--model {spec}: not in the local Hugging Face cache, and the Hub cannot be reached "
+                         f"({_first_line(exc)}): connect to the network, or download it first with `hf download "
+                         f"{spec}` (it then loads offline), or pass a local folder") from None
 
 
 def tiny_llama(num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,

@@ -681,3 +681,64 @@ except KvcliError as exc:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (f"--checkpoint {tmp_path / 'ckpt'}: locking a folder needs POSIX file locks "
                                      "(fcntl), which this platform does not have")
+
+
+# --------------------------------------------------------------------------- a Hub id without a network
+
+@pytest.fixture()
+def hub(monkeypatch):
+    """The Hub client as the check sees it: nothing in the local Hugging Face cache, online mode; ``hub.answer`` is
+    what a request for the model's config.json does (an exception to raise, or None). Returns the request log."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    class Hub:
+        answer: BaseException | None = None
+        requests: list[str] = []
+
+    def metadata(url, timeout=None, **_kwargs):
+        Hub.requests.append(url)
+        if Hub.answer is not None:
+            raise Hub.answer
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", metadata)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *_a, **_k: None)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    Hub.requests = []
+    return Hub
+
+
+def test_a_hub_id_that_cannot_be_downloaded_fails_at_once_in_one_line(hub, invoke, book):
+    """No network and not in the local cache: one request without retries, then one line saying how to get it."""
+    hub.answer = OSError("[Errno -2] Name or service not known")
+    line = one_line(invoke("ppl", book, "--model", "foo/bar-model", "--quiet"), 1)
+    assert line == ("kvcli: error: --model foo/bar-model: not in the local Hugging Face cache, and the Hub cannot be "
+                    "reached ([Errno -2] Name or service not known): connect to the network, or download it first "
+                    "with `hf download foo/bar-model` (it then loads offline), or pass a local folder")
+    assert len(hub.requests) == 1 and hub.requests[0].endswith("foo/bar-model/resolve/main/config.json")
+
+
+def test_the_hub_check_asks_nothing_when_the_model_is_cached_or_offline_is_set(hub, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from kvcli.models import _check_hub_reachable
+
+    hub.answer = OSError("no network")
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *_a, **_k: "/hf/cache/config.json")
+    _check_hub_reachable("foo/bar-model")  # cached: transformers loads it from the cache when the Hub is away
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *_a, **_k: None)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    _check_hub_reachable("foo/bar-model")  # offline: transformers fails at once itself
+    assert hub.requests == []
+
+
+def test_a_hub_that_answers_no_is_left_to_transformers_to_report(hub):
+    """The Hub answered (here: no such repository): the check lets transformers say what it said."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from kvcli.models import _check_hub_reachable
+
+    hub.answer = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
+    _check_hub_reachable("foo/bar-model")
+    assert len(hub.requests) == 1
