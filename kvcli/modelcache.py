@@ -368,7 +368,7 @@ def clear() -> Cleared:
         if entry.manifest is not None:
             removed, freed = removed + 1, freed + entry.bytes
     sources = models_dir() / ".sources"
-    for memo in sorted(sources.iterdir()) if sources.is_dir() else []:
+    for memo in sorted(sources.iterdir()) if sources.is_dir() and not sources.is_symlink() else []:
         if re.fullmatch(_MEMO_NAME, memo.name) or re.fullmatch(_MEMO_TEMPORARY, memo.name):
             try:
                 memo.unlink()
