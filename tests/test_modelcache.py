@@ -196,18 +196,24 @@ def test_a_changed_file_is_never_served_stale(tiny_gguf, cache):
 
 
 def test_the_source_hash_is_remembered_only_while_the_file_is_unchanged(tmp_path, cache, monkeypatch):
-    """A remembered hash is used while size, mtime, ctime, inode and device all match; any write changes ctime."""
+    """A remembered hash is used while size, mtime, ctime, inode and device all match and its seal holds; any
+    write changes ctime, and a memo edited by hand fails its seal: both are hashed again."""
     monkeypatch.setattr(modelcache, "RACY_SECONDS", -1.0)  # this file was just written: remember it anyway
+    (cache / "models").mkdir(parents=True, mode=0o700)
     source = tmp_path / "model.gguf"
     source.write_bytes(b"one")
     real = modelcache.file_sha256(source)
     [memo] = (cache / "models" / ".sources").iterdir()
+    hashed = []
+    full = modelcache._hashed
+    monkeypatch.setattr(modelcache, "_hashed", lambda path: hashed.append(path) or full(path))
+    assert modelcache.file_sha256(source) == real and hashed == []  # remembered: not read in full
     saved = json.loads(memo.read_text())
-    memo.write_text(json.dumps({**saved, "sha256": "0" * 64}))  # a remembered hash is not recomputed...
-    assert modelcache.file_sha256(source) == "0" * 64
+    memo.write_text(json.dumps({**saved, "sha256": "0" * 64}))  # edited by hand: the seal no longer holds
+    assert modelcache.file_sha256(source) == real and len(hashed) == 1
     time.sleep(0.01)
-    source.write_bytes(b"two")  # ...until the file changes
-    assert modelcache.file_sha256(source) not in (real, "0" * 64)
+    source.write_bytes(b"two")  # a new write: hashed again
+    assert modelcache.file_sha256(source) not in (real, "0" * 64) and len(hashed) == 2
 
 
 def test_a_just_written_file_is_hashed_again_on_every_load(tmp_path, cache):

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="A JSON object: {folder, bytes, entries: [{name, path, bytes, "
-                                       "source, variant, created, problem}]}.")]
+                                       "source, variant, created, problem}], foreign: [names kvcli did not make]}.")]
 
 app = typer.Typer(help="The model cache: GGUF models converted once so that every later command starts in seconds "
                   "(KVCLI_CACHE moves it). Without a subcommand: list it.")
@@ -29,25 +29,44 @@ def list_(json_out: JsonOpt = False) -> None:
 
 @app.command()
 def clear() -> None:
-    """Remove every cached model (the next load of each converts it again)."""
+    """Remove every model kvcli cached (the next load of each converts it again). Folders kvcli did not make are
+    left alone and named."""
     from kvcli.modelcache import clear as clear_cache
     from kvcli.modelcache import models_dir
     from kvcli.report import mib, print_result
 
-    removed, freed = clear_cache()
-    print_result(f"removed {removed} cached model{'' if removed == 1 else 's'} ({mib(freed)}) from {models_dir()}")
+    done = clear_cache()
+    _name_foreign(done.foreign, clearing=True)
+    plural = "" if done.removed == 1 else "s"
+    print_result(f"removed {done.removed} cached model{plural} ({mib(done.bytes)}) from {models_dir()}")
 
 
 def show(json_out: bool) -> None:
     from kvcli.cli.render import cache_listing
-    from kvcli.modelcache import entries, models_dir
+    from kvcli.modelcache import models_dir, scan
     from kvcli.report import dumps, print_result
 
-    found = entries()
+    found, foreign = scan()
     if json_out:
         print_result(dumps({"folder": str(models_dir()), "bytes": sum(e.bytes for e in found), "entries": [
             {"name": e.name, "path": str(e.path), "bytes": e.bytes, "source": (e.manifest or {}).get("source"),
              "variant": (e.manifest or {}).get("variant"), "created": (e.manifest or {}).get("created"),
-             "problem": e.problem} for e in found]}))
+             "problem": e.problem} for e in found], "foreign": foreign}))
     else:
+        _name_foreign(foreign, clearing=False)
         print_result(cache_listing(found, models_dir()))
+
+
+def _name_foreign(names: list[str], *, clearing: bool) -> None:
+    """One line on stderr naming what kvcli found in its cache folder but did not make (and never removes)."""
+    from kvcli.modelcache import models_dir
+    from kvcli.report import warn
+
+    if not names:
+        return
+    folder = models_dir()
+    kind = "folder" if all((folder / name).is_dir() for name in names) else "item"
+    what = f"{len(names)} {kind}{'' if len(names) == 1 else 's'} kvcli did not make"
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    warn(f"left {what} in {folder}: {shown}" if clearing else
+         f"{folder} also holds {what} (`kvcli cache clear` leaves them): {shown}")
