@@ -199,13 +199,18 @@ def converted(source: Path, label: str, variant: dict[str, str], convert: Callab
     """
     source = source.resolve()
     try:
-        folder = ready(create=True)
+        return _converted(source, label, variant, convert, warn)
     except CacheRefused as exc:
         warn(f"{exc} (loading {source.name} without the cache, slower every time)")
-        return None
     except CacheUnwritable as exc:
         warn(_unwritable(exc, source))
-        return None
+    return None
+
+
+def _converted(source: Path, label: str, variant: dict[str, str], convert: Callable[[Path], None],
+               warn: Callable[[str], None]) -> Path:
+    """:func:`converted`, raising :class:`CacheRefused` or :class:`CacheUnwritable` where the cache cannot serve."""
+    folder = ready(create=True)
     sha = file_sha256(source)
     final = folder / f"{_slug(label)}-{_key(sha, variant)[:16]}"
     problem, rehashed = _inspect(final)
@@ -214,18 +219,11 @@ def converted(source: Path, label: str, variant: dict[str, str], convert: Callab
         return final
     if final.exists() or final.is_symlink():
         warn(f"the cached model {final} is damaged ({problem}): converting {source.name} again")
-    try:
-        with _locked(final):
-            if check(final) is None:  # another process built it while this one waited
-                return final
-            _remove(final)
-            _build(final, source, sha, variant, convert)
-    except CacheRefused as exc:
-        warn(f"{exc} (loading {source.name} without the cache, slower every time)")
-        return None
-    except CacheUnwritable as exc:
-        warn(_unwritable(exc, source))
-        return None
+    with _locked(final):
+        if check(final) is None:  # another process built it while this one waited
+            return final
+        _remove(final)
+        _build(final, source, sha, variant, convert)
     return final
 
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_modelcache import _fake_convert
+from test_modelcache import _fake_convert, converted_twice_at_once
 from test_trust import one_line
 
 from kvcli import modelcache
@@ -425,33 +425,16 @@ def test_swapped_weights_of_the_same_size_are_rebuilt_before_they_are_loaded(tin
     assert len(messages) == 1 and "SHA-256 differs" in messages[0], messages
 
 
-def _converted_in_child(source: str, log: str, out) -> None:
-    messages: list[str] = []
-    path = modelcache.converted(Path(source), "fake", {"dtype": "x"}, lambda f: _fake_convert(f, Path(log), 0.5),
-                                warn=messages.append)
-    out.put((str(path), messages))
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_two_loads_of_a_damaged_entry_at_once_rebuild_it_once(tmp_path, cache):
     """The first to take the lock rebuilds it; the second, which found it damaged (or already removed) and waited
     for the lock, finds it complete and uses it. Each says at most one line."""
-    import multiprocessing
-
     source = tmp_path / "model.gguf"
     source.write_bytes(b"weights")
     log = tmp_path / "builds.log"
     entry = modelcache.converted(source, "fake", {"dtype": "x"}, lambda f: _fake_convert(f, log), warn=pytest.fail)
     _swapped_same_size(entry, tmp_path / "unused")
-    context = multiprocessing.get_context("fork")
-    out = context.Queue()
-    children = [context.Process(target=_converted_in_child, args=(str(source), str(log), out)) for _ in range(2)]
-    for child in children:
-        child.start()
-    for child in children:
-        child.join(60)
-        assert child.exitcode == 0
-    results = [out.get(timeout=5) for _ in children]
+    results = converted_twice_at_once(source, log)
     assert [path for path, _ in results] == [str(entry)] * 2
     warnings = [line for _, messages in results for line in messages]
     assert all(len(messages) <= 1 for _, messages in results) and warnings, results
