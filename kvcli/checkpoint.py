@@ -23,8 +23,12 @@ the state before it is, so a finished run extended to more tokens equals the uni
 run. A checkpoint with more tokens than a resumed run's ``--max-tokens`` is refused: its numbers
 cannot be taken back.
 
-A checkpoint names what it was made with (:func:`identity`): another model, method, budget, block,
-or dtype is refused with one line rather than continued into a meaningless number. A folder is
+A checkpoint names what it was made with (:func:`identity`): the model by the SHA-256 of its files
+(weights, config and tokenizer: :func:`fingerprint`), the torch and transformers releases, the method and
+its parameters, budget, block and dtype. A resume that differs in any of them is refused with one line
+saying what differs, rather than continued into a meaningless number; the same files named another way
+(a relative path, a trailing slash) resume. Only a 16-bit cache is checkpointed (:func:`check_restorable`):
+a quantized cache holds packed objects that a checkpoint, data only, cannot restore. A folder is
 one run's at a time (:func:`kvcli.outputs.lock_folder`), and a run without ``--resume`` never
 overwrites a checkpoint unless told to (:func:`claim`).
 """
@@ -32,6 +36,7 @@ overwrites a checkpoint unless told to (:func:`claim`).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import re
 import time
@@ -44,11 +49,23 @@ import torch
 
 from kvcli.engine import BlockStats, Engine, StreamState, StreamTotals
 from kvcli.errors import KvcliError, UsageError
+from kvcli.modelcache import file_sha256
+from kvcli.models import source_path
 from kvcli.outputs import check_output
 from kvcli.statefile import load_state, save_state
 
 FILE = "state.pt"
-FORMAT = 2  # 2: sealed, with the content's hash and no file names (1: names and sizes, no hash)
+#: 3: the identity holds the model's fingerprint and the library releases (2: the model's name; 1: no content hash)
+FORMAT = 3
+#: The files of a model folder that make its numbers, by part: what ``from_pretrained`` reads from the folder's
+#: top level. Other files (a README, a licence, an ``original/`` copy of the weights) are not the model's.
+MODEL_FILES = {
+    "weights": ("*.safetensors", "*.bin", "*.gguf"),
+    "config": ("config.json",),
+    "tokenizer": ("tokenizer*", "vocab*", "merges*", "special_tokens_map.json", "added_tokens.json", "*.tiktoken"),
+}
+#: The only cache precision a checkpoint restores (:func:`check_restorable`).
+RESTORABLE_BITS = 16
 _SKIP = ("owner", "record")  # a layer's back-reference and its transient attention record
 
 
@@ -64,13 +81,82 @@ def parse_every(text: str) -> tuple[int | None, float | None]:
 
 
 def identity(loaded, engine: Engine) -> dict:
-    """What a checkpoint is only valid for: model, method and its parameters, budget, block, dtype.
+    """What a checkpoint is only valid for: the model's files, the libraries that compute with them, method and
+    its parameters, budget, block, dtype. ``name`` (the model as typed) is kept for people and never compared.
 
-    The source is not named here (a path can be spelled many ways, stdin has none): the checkpoint
-    holds a hash of the tokens it read instead, checked against the source when resuming.
+    Neither the model nor the source is named by its path (a path can be spelled many ways, stdin has none):
+    the model by :func:`fingerprint`, the source by a hash of the tokens read, checked when resuming.
     """
-    return {"model": loaded.name, "method": engine.method.name, "params": engine.method.settings(),
-            "budget": engine.budget, "block": engine.block, "dtype": str(loaded.dtype)}
+    return {"name": loaded.name, "model": fingerprint(loaded.name), "libraries": library_versions(),
+            "method": engine.method.name, "params": engine.method.settings(), "budget": engine.budget,
+            "block": engine.block, "dtype": str(loaded.dtype)}
+
+
+def fingerprint(spec: str) -> dict[str, str]:
+    """The SHA-256 of the model ``spec`` names, per part (weights, config, tokenizer): one GGUF file holds all
+    three; a folder's are its :data:`MODEL_FILES`; a Hugging Face id's are those of its downloaded snapshot.
+
+    Each file's hash is :func:`kvcli.modelcache.file_sha256`'s, which the model cache remembers against the file's
+    ``stat``, so a model is hashed once (when first checkpointed), not again on every resume.
+    """
+    path = source_path(spec)
+    if not path.exists():
+        path = _snapshot(spec)
+    if path.is_file():
+        digest = file_sha256(path)
+        return dict.fromkeys(MODEL_FILES, digest)
+    files = sorted(item for item in path.iterdir() if item.is_file() and not item.name.startswith("."))
+    parts = {}
+    for part, patterns in MODEL_FILES.items():
+        digest = hashlib.sha256()
+        for item in files:
+            if any(fnmatch.fnmatch(item.name, pattern) for pattern in patterns):
+                digest.update(f"{item.name}\t{file_sha256(item)}\n".encode())
+        parts[part] = digest.hexdigest()
+    return parts
+
+
+def _snapshot(spec: str) -> Path:
+    """The folder of the Hugging Face model ``spec`` as downloaded (it was, to load): never the network."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - whatever the hub library raises, the answer is the same line
+        raise KvcliError(f"--checkpoint: cannot find the files of {spec} to fingerprint them "
+                         f"({type(exc).__name__})") from None
+
+
+def library_versions() -> dict[str, str]:
+    """The releases (major.minor) of the libraries whose kernels and model code make a checkpoint's numbers."""
+    import transformers
+
+    return {name: ".".join(version.split("+")[0].split(".")[:2])
+            for name, version in (("torch", torch.__version__), ("transformers", transformers.__version__))}
+
+
+def check_restorable(kv_bits: int) -> None:
+    """Refuse to checkpoint a cache a checkpoint cannot restore: a quantized one holds packed objects, and a
+    checkpoint is data only (tensors, numbers, strings). Called before anything runs."""
+    if kv_bits != RESTORABLE_BITS:
+        raise UsageError(f"a checkpoint holds a {RESTORABLE_BITS}-bit cache only, not one of {kv_bits} bits (packed "
+                         "keys and values cannot be restored): leave out --kv-bits or --checkpoint")
+
+
+def difference(key: str, saved, current) -> str:
+    """One clause saying how a checkpoint's identity ``saved`` differs from this run's ``current`` at ``key``."""
+    if key == "model" and isinstance(saved, dict):
+        for part in MODEL_FILES:
+            if saved.get(part) != current.get(part):
+                verb = "differ" if part == "weights" else "differs"
+                return (f"the model's {part} {verb} from the checkpoint's (sha256 {str(saved.get(part))[:12]}... "
+                        f"in the checkpoint, {current[part][:12]}... now)")
+    if key == "libraries" and isinstance(saved, dict):
+        changed = [name for name in current if saved.get(name) != current[name]]
+        if changed:
+            return "it was made with " + ", ".join(f"{name} {saved.get(name)}, this run has {current[name]}"
+                                                   for name in changed)
+    return f"it was made with {key} {saved!r}, not this run's {current!r}"
 
 
 def claim(folder: Path, resume: bool, overwrite: bool) -> Path:
@@ -154,6 +240,24 @@ def _cpu(value):
     return value
 
 
+#: What a checkpoint may hold: what ``torch.load(weights_only=True)`` gives back (kvcli.statefile).
+_DATA = (torch.Tensor, torch.dtype, torch.device, str, int, float, bool, type(None))
+
+
+def _check_data(value, where: str) -> None:
+    """Raise unless ``value`` is data the safe loader restores: a state holding an object (packed keys of a
+    quantized cache, a layer added by a new method) is refused when saved, not written to be refused on resume."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_data(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_data(item, f"{where}[{index}]")
+    elif not isinstance(value, _DATA):
+        raise KvcliError(f"cannot checkpoint {where}: a {type(value).__name__} is not data a checkpoint restores "
+                         "(tensors, dtypes, numbers, strings)")
+
+
 def _to(value, device: torch.device):
     if isinstance(value, torch.Tensor):
         return value.to(device)
@@ -192,8 +296,10 @@ class Checkpointer:
 
         ``limit`` is how many tokens the run reads at most (``--max-tokens`` + 1). When resuming, the
         checkpoint's tokens are read again and hashed before anything runs: a source whose first tokens
-        differ from the checkpoint's, or that has fewer, is refused with one line.
+        differ from the checkpoint's, or that has fewer, is refused with one line. An engine whose cache a
+        checkpoint cannot restore (a quantized one) is refused here, before a block runs.
         """
+        check_restorable(engine.kv_bits)
         self.limit = limit
         self.digest = TokenDigest(tokens)
         if not self.resume:
@@ -251,6 +357,7 @@ class Checkpointer:
                       "layers": [{k: _cpu(v) for k, v in vars(layer).items() if k not in _SKIP}
                                  for layer in cache.layers]},
         }
+        _check_data(payload, "checkpoint")
         save_state(self.path, payload)
         self.saved_at = (state.position, time.perf_counter())
 
@@ -268,10 +375,9 @@ class Checkpointer:
         if not isinstance(saved, dict):
             raise KvcliError(f"--checkpoint {self.folder}: {FILE} is damaged (no identity): {advice}")
         for key, value in self.ident.items():
-            if saved.get(key) != value:
-                raise KvcliError(f"--checkpoint {self.folder} was made with {key} {saved.get(key)!r}, not this run's "
-                                 f"{value!r}: resume with the same model, method, budget, block and dtype, or "
-                                 "use another folder")
+            if key != "name" and saved.get(key) != value:
+                raise KvcliError(f"--checkpoint {self.folder}: {difference(key, saved.get(key), value)}; resume with "
+                                 "the same model, libraries, method, budget, block and dtype, or use another folder")
         try:
             state, content = self._restore(payload, engine)
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:

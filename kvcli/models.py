@@ -114,6 +114,16 @@ def assembled_gguf_path(name: str, warn: Callable[[str], None] | None = None) ->
                          "writable folder") from None
 
 
+def source_path(spec: str, warn: Callable[[str], None] | None = None) -> Path:
+    """Where the model ``spec`` names lies on this machine: a preset's GGUF, or the path as typed (``~`` expanded),
+    which does not exist for a Hugging Face id."""
+    if spec in EMBEDDED_GGUF:
+        return embedded_gguf_path(spec)
+    if spec in ASSEMBLED_GGUF:
+        return assembled_gguf_path(spec, warn)
+    return Path(os.path.expanduser(spec))
+
+
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16): only there is bf16 faster than fp32."""
     try:
@@ -226,13 +236,7 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
     if device_map is not None:
         kwargs["device_map"] = device_map
 
-    if spec in EMBEDDED_GGUF:
-        path = embedded_gguf_path(spec)
-    elif spec in ASSEMBLED_GGUF:
-        path = assembled_gguf_path(spec, warn)
-    else:
-        path = Path(os.path.expanduser(spec))
-
+    path = source_path(spec, warn)
     name = spec
     try:
         if path.suffix == ".gguf":

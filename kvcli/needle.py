@@ -1,10 +1,10 @@
 """The pass-key test as a grid: methods x document lengths x depths x trials.
 
 A sentence holding a random key is hidden at a relative depth of an excerpt of a book, the model is
-asked for the key, and the answer counts as correct when the key's digits appear in it. Each trial
-reads the haystack through :class:`kvcli.generate.Reader` exactly as ``kvcli ask`` does, with the
-same prompt and no answer prefix unless one is asked for: one-shot prefill when the prompt fits,
-otherwise streamed with the question as a probe. The needle sentence, the question's wording and
+asked for the key, and the answer counts as correct when it writes the key as a whole number
+(:func:`is_correct`). Each trial reads the haystack through :class:`kvcli.generate.Reader` exactly as
+``kvcli ask`` does, with the same prompt and no answer prefix unless one is asked for: one-shot prefill
+when the prompt fits, otherwise streamed with the question as a probe. The needle sentence, the question's wording and
 the key's length vary from trial to trial, and the needle sits at any word boundary, so a rate does
 not hold for one phrasing only. Every method sees the same haystacks and keys.
 """
@@ -164,6 +164,7 @@ class TrialLog:
             except (KeyError, TypeError):
                 raise KvcliError(f"{where} is not a needle trial of kvcli: remove it, or choose another "
                                  f"{self.FLAG} file") from None
+            trial.correct = is_correct(trial.answer, trial.key)  # graded again: rows of an older grader count alike
             done[(trial.method, trial.length, trial.depth, trial.trial)] = trial
         if self.resume and self.note:
             taken = sum(1 for key in done if key[0] in params)
@@ -195,9 +196,35 @@ def as_json(value):
     return json.loads(dumps(value))
 
 
+#: One number as an answer may write it, tried in this order wherever a run of digits starts: grouped by threes
+#: with one separator used throughout ("60,494", "8 056 020", "60'494"); spelled digit by digit with one space or
+#: hyphen, three digits or more ("6 0 4 9 4", "6-0-4-9-4"; "pages 1-2" is two numbers); a plain run of digits. A
+#: grouping that goes on with a shorter group is none ("12,345,6" is 12, 345 and 6). A period never joins digits:
+#: it is a decimal point or a sentence's end ("50651.50651" is the key written twice).
+NUMBER = re.compile(
+    r"(?<![0-9])(?:"
+    r"[0-9]{1,3}(?P<group>[,' _\u00a0\u2009\u202f\u2019])[0-9]{3}(?:(?P=group)[0-9]{3})*(?!(?P=group)[0-9])"
+    r"|[0-9](?P<spell>[ -])[0-9](?:(?P=spell)[0-9])+"
+    r"|[0-9]+"
+    r")(?![0-9])")
+
+
+def numbers(answer: str) -> list[str]:
+    """The numbers written in ``answer`` (:data:`NUMBER`), each as its digits only, in order."""
+    return [re.sub(r"[^0-9]", "", match.group()) for match in NUMBER.finditer(answer)]
+
+
 def is_correct(answer: str, key: str) -> bool:
-    """The key's digits appear in the answer (as written, or once separators are removed: "12,345")."""
-    return key in answer or key in re.sub(r"\D", "", answer)
+    """The one grader of a pass key: ``key`` is one of the numbers ``answer`` writes, whole.
+
+    The key must be a whole number of the answer, never part of one: "The pass key is 60494." does not answer
+    6049, nor "80560208056020" (the key twice with nothing between) 8056020. Separators are removed only
+    inside a number written as people group digits (:data:`NUMBER`): "60,494", "60 494" and "6 0 4 9 4" answer
+    60494, but "Chapter 12, page 345." does not answer 12345 (a comma and a space, then words, are no
+    grouping), nor "60494 60494" 6049460494 (a group of five digits is no group of three). Every pass-key check
+    in kvcli and in docs/results/ goes through this function, so that every rate is graded alike.
+    """
+    return key in numbers(answer)
 
 
 def haystack(tokenizer, tokens: Sequence[int], length: int, depth: float, key: str, offset: int = 0, *,

@@ -311,9 +311,27 @@ def test_needle_starts_after_a_sentence_end_within_reach():
     assert sentence_break("Mr. Smith", " came", 0) == ("Mr. Smith", " came")
 
 
-def test_answer_check():
-    assert is_correct(" 60494.", "60494") and is_correct("It is 60,494", "60494")
-    assert not is_correct("6049", "60494") and not is_correct("The pass key.", "60494")
+@pytest.mark.parametrize(("answer", "key"), [
+    (" 60494.", "60494"), ("The pass key is 6049.", "6049"), ("It is 60,494", "60494"), ("60 494", "60494"),
+    ("8,056,020", "8056020"), ("8\u202f056\u202f020.", "8056020"), ("60\u2019494", "60494"),
+    ("6 0 4 9 4", "60494"), ("6-0-4-9-4", "60494"), ("The pass key is 50651.50651", "50651"),
+    ("60494 60494", "60494"), ("2 60494", "60494"), ("The pass key is 8056020groomed", "8056020"),
+])
+def test_grader_accepts_the_key_as_a_whole_number(answer, key):
+    assert is_correct(answer, key)
+
+
+@pytest.mark.parametrize(("answer", "key"), [
+    ("The pass key is 60494.", "6049"),  # a prefix of a longer number
+    ("The pass key is 60494.", "0494"),  # a suffix
+    ("Chapter 12, page 345.", "12345"),  # digits of two numbers run together
+    ("The pass key is 80560208056020.", "8056020"),  # the key twice with nothing between is another number
+    ("60494 60494", "6049460494"),  # two numbers, not one grouped
+    ("12,345,6", "12345"), ("60.494", "60494"), ("604 94", "60494"), ("1. 1. 2. 4. 6.", "11246"),
+    ("6049", "60494"), ("The pass key.", "60494"), ("", "60494"),
+])
+def test_grader_refuses_the_key_inside_other_digits(answer, key):
+    assert not is_correct(answer, key)
 
 
 def test_instruction_is_immutable_and_named_templates_exist():

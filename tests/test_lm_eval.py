@@ -7,9 +7,10 @@ import ast
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
-import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import kvcli.lm_eval  # noqa: E402, F401 - registers the model "kvcli" with lm-e
 from kvcli.errors import UsageError  # noqa: E402
 from kvcli.lm_eval import KvcliLM  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 ROLLING = """task: kvcli_test_rolling
 dataset_path: json
 dataset_kwargs:
@@ -142,24 +144,63 @@ def test_compression_changes_what_the_continuation_sees(tiny_model_dir):
     context = KvcliLM(model=str(tiny_model_dir), method="full", dtype="float32").tok_encode(
         "It was the best of times, it was the worst of times, it was the age of wisdom, " * 6)
     continuation = [100, 200, 300]
-    full = KvcliLM(model=str(tiny_model_dir), method="full", dtype="float32", block=16)
+    # Both read in the same blocks, so the one difference is what the method dropped. A random model's attention is
+    # nearly uniform, so the move is small (about 1e-4 of the score), though far above float noise.
+    full = KvcliLM(model=str(tiny_model_dir), method="full", dtype="float32", block=16, one_shot="false")
     small = KvcliLM(model=str(tiny_model_dir), method="streamingllm", cache=16, sinks=2, dtype="float32", block=16,
                     one_shot="false")
     assert small.engine.method.sinks == 2  # any other model_args key is a method parameter
     assert small.score_continuation(context, continuation)[0] != pytest.approx(
-        full.score_continuation(context, continuation)[0], rel=1e-4)
+        full.score_continuation(context, continuation)[0], rel=1e-6)
 
 
 def test_multiple_choice_and_generation_tasks_run_through_compression(tiny_model_dir, tmp_path):
-    write_task(tmp_path, "choice", CHOICE, [{"question": "The capital of France is", "choices": [" Paris", " Rome"],
-                                             "answer": 0}])
+    """lm-eval's scores are kvcli's: each choice's log-likelihood is what the adapter scores on its own, so with
+    one answer set to the model's favourite and one to the other choice ``acc`` is exactly 1/2; a generation
+    task whose first target is what the adapter writes and whose second is not gets ``exact_match`` 1/2."""
+    args = {"model": str(tiny_model_dir), "method": "treekv", "cache": 16, "block": 8}
+    lm = KvcliLM(**args)
+    questions = ["The capital of France is", "It was the best of times, it was the worst of"]
+    choices = [" Paris", " Rome"]
+    scores = [[lm.score_continuation(*lm._encode_pair(question, " " + choice))[0] for choice in choices]
+              for question in questions]
+    favourite = [max(range(2), key=row.__getitem__) for row in scores]
+    answers = [favourite[0], 1 - favourite[1]]
+    write_task(tmp_path, "choice", CHOICE, [{"question": question, "choices": choices, "answer": answer}
+                                            for question, answer in zip(questions, answers, strict=True)])
+    prompts = ["Q: What is two plus two?\nA:", "Q: Who wrote Hamlet?\nA:"]
+    written = lm.generate(prompts[0], {"until": ["\n"], "max_gen_toks": 6, "do_sample": False})
+    assert "\n" not in written  # cut at `until`
+    write_task(tmp_path, "generate", GENERATE, [{"question": prompts[0], "answer": written},
+                                                {"question": prompts[1], "answer": written + " and more"}])
+    model_args = ",".join(f"{key}={value}" for key, value in args.items())
+    out = evaluate(tmp_path, ["kvcli_test_choice", "kvcli_test_generate"], model_args, log_samples=True)
+    assert out["results"]["kvcli_test_choice"]["acc,none"] == 0.5
+    assert out["results"]["kvcli_test_generate"]["exact_match,none"] == 0.5
+    for sample in out["samples"]["kvcli_test_choice"]:
+        got = [resp[0][0] for resp in sample["resps"]]
+        assert got == pytest.approx(scores[questions.index(sample["doc"]["question"])], rel=1e-5)
+
+
+def test_apply_chat_template_reads_the_conversation_in_the_models_chat_template(tiny_model_dir, tmp_path):
+    """``--apply_chat_template``: lm-eval hands kvcli the task's turn rendered by the tokenizer's template, and
+    the answer is what the adapter writes after that text."""
     write_task(tmp_path, "generate", GENERATE, [{"question": "Q: What is two plus two?\nA:", "answer": " 4"}])
-    out = evaluate(tmp_path, ["kvcli_test_choice", "kvcli_test_generate"],
-                   f"model={tiny_model_dir},method=treekv,cache=16,block=8", log_samples=True)
-    assert out["results"]["kvcli_test_choice"]["acc,none"] in (0.0, 1.0)
-    assert out["results"]["kvcli_test_generate"]["exact_match,none"] in (0.0, 1.0)
+    args = f"model={tiny_model_dir},method=streamingllm,cache=32,block=8"
+    out = evaluate(tmp_path, ["kvcli_test_generate"], args, log_samples=True, apply_chat_template=True)
     (sample,) = out["samples"]["kvcli_test_generate"]
-    assert isinstance(sample["resps"][0][0], str) and "\n" not in sample["resps"][0][0]  # cut at `until`
+    context, gen_kwargs = sample["arguments"][0]
+    assert context.startswith("<|im_start|>") and "What is two plus two?" in context
+    assert context.endswith("<|im_start|>assistant\n")  # the generation prompt: the assistant writes next
+    lm = KvcliLM(model=str(tiny_model_dir), method="streamingllm", cache=32, block=8)
+    assert context == lm.apply_chat_template([{"role": "user", "content": "Q: What is two plus two?\nA:"}])
+    assert sample["resps"][0][0] == lm.generate(context, gen_kwargs)
+    prefill = lm.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The"}],
+                                     add_generation_prompt=False)
+    assert prefill.endswith("<|im_start|>assistant\nThe")  # continued, not closed with <|im_end|>
+    lm.tokenizer.chat_template = None  # a base model
+    with pytest.raises(UsageError, match="has no chat template: run without --apply_chat_template"):
+        lm.apply_chat_template([{"role": "user", "content": "Hi"}])
 
 
 def test_generation_is_greedy_and_stops_at_max_gen_toks(tiny_model_dir):
@@ -207,70 +248,18 @@ def test_nothing_in_kvcli_but_the_adapter_imports_lm_eval():
             assert not any(name.split(".")[0] == "lm_eval" or name.startswith("kvcli.lm_eval") for name in names), path
 
 
-def test_the_lm_eval_entry_point_names_the_registered_class():
-    """lm-eval releases with plugins load ``lm_eval.models`` entry points: kvcli's must be the class the
-    decorator registered, or the two registrations would collide."""
-    from importlib.metadata import entry_points
-
-    from lm_eval.api.registry import get_model
-
-    (point,) = [p for p in entry_points(group="lm_eval.models") if p.name == "kvcli"]
-    assert point.load() is KvcliLM is get_model("kvcli")
-
-
-ROOT = Path(__file__).resolve().parents[1]
-#: What pip puts in site-packages so that plain ``lm_eval --model kvcli`` works (setup.py, kvcli_lm_eval_hook.py).
-HOOK_PTH = "kvcli_lm_eval_hook.pth"
-
-
-def run_python(code: str, *flags: str) -> str:
-    result = subprocess.run([sys.executable, *flags, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{code}"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
-
-
-def test_the_start_up_hook_imports_nothing_but_itself():
-    """The .pth runs ``import kvcli_lm_eval_hook`` at every Python start: no kvcli, torch or lm_eval then."""
-    out = run_python("before = set(sys.modules)\nimport kvcli_lm_eval_hook as hook\n"
-                     "print(sorted(set(sys.modules) - before), sys.meta_path[0] is hook.Finder)", "-S")
-    assert out == "['kvcli_lm_eval_hook'] True"
-
-
-def test_the_hook_registers_a_lazy_kvcli_when_lm_eval_loads_its_models():
-    """lm-eval imports lm_eval.models (its built-in placeholders) on its first model look-up; the hook adds
-    ``kvcli`` there as a placeholder of the same kind, and kvcli is imported only when that model is asked for."""
-    out = run_python("""
-import kvcli_lm_eval_hook as hook
-from lm_eval.api.registry import get_model, model_registry
-assert "kvcli" not in model_registry  # the registry alone: built-ins are not there yet, so neither is kvcli
-import lm_eval.models
-assert dict(model_registry.items())["kvcli"] == "kvcli.lm_eval:KvcliLM" and "hf" in model_registry
-assert not {"kvcli", "torch"} & {name.split(".")[0] for name in sys.modules}, "the placeholder imported kvcli"
-assert hook.Finder not in sys.meta_path
-model = get_model("kvcli")
-print(model.__module__, model.__name__)
-""")
-    assert out == "kvcli.lm_eval KvcliLM"
-
-
-def test_plain_lm_eval_command_runs_kvcli_on_a_local_task_offline(tiny_model_dir, tmp_path):
-    """The issue's check: ``lm_eval --model kvcli ...``, the console script pip installs with lm-eval, finds
-    kvcli (through kvcli_lm_eval_hook.pth) and gives the same score as lm-eval driven from Python."""
-    script = Path(sys.executable).with_name("lm_eval")
-    pth = Path(sysconfig.get_paths()["purelib"], HOOK_PTH)
-    if not pth.is_file():
-        pytest.skip(f"{pth} is missing: kvcli is not pip-installed in this environment (or was installed before "
-                    "the hook existed); pip install -e '.[dev]' adds it. python -m kvcli.lm_eval works without it")
-    if not script.is_file():
-        pytest.skip(f"no lm_eval console script beside {sys.executable}")
+def test_python_m_kvcli_lm_eval_runs_a_local_task_offline(tiny_model_dir, tmp_path):
+    """The documented command line, ``python -m kvcli.lm_eval --model kvcli ...`` in a fresh interpreter, runs a
+    local task offline and gives the score lm-eval driven from Python gives."""
     text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 24
     write_task(tmp_path, "rolling", ROLLING, [{"text": text}])
     args = f"model={tiny_model_dir},method=treekv,cache=256"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
-    command = [str(script), "--model", "kvcli", "--model_args", args, "--tasks", "kvcli_test_rolling",
-               "--include_path", str(tmp_path), "--device", "cpu", "--output_path", str(tmp_path / "out")]
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    command = [sys.executable, "-m", "kvcli.lm_eval", "--model", "kvcli", "--model_args", args, "--tasks",
+               "kvcli_test_rolling", "--include_path", str(tmp_path), "--device", "cpu", "--output_path",
+               str(tmp_path / "out")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     (path,) = (tmp_path / "out").rglob("results_*.json")
@@ -278,3 +267,24 @@ def test_plain_lm_eval_command_runs_kvcli_on_a_local_task_offline(tiny_model_dir
     expected = evaluate(tmp_path, ["kvcli_test_rolling"], args)["results"]["kvcli_test_rolling"]
     assert got["bits_per_byte,none"] > 0
     assert got["bits_per_byte,none"] == pytest.approx(expected["bits_per_byte,none"], rel=1e-6)
+
+
+def test_an_installed_kvcli_adds_nothing_to_python_start_up(tmp_path):
+    """A wheel of kvcli (what ``pip install`` unpacks) holds the package and its metadata only: no ``.pth`` that
+    Python would run at every start, no top-level module, and no entry point for lm-eval, which reads none."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "kvcli", source / "kvcli", ignore=shutil.ignore_patterns("__pycache__"))
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                             str(source), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (wheel,) = (tmp_path / "dist").glob("kvcli-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+        declared = archive.read(entry_points).decode()
+    assert not [name for name in names if name.endswith(".pth")]
+    assert {name.split("/")[0] for name in names} == {"kvcli", wheel.name.split("-py")[0] + ".dist-info"}
+    assert "[console_scripts]" in declared and "lm_eval" not in declared

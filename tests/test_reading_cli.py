@@ -247,6 +247,12 @@ def test_needle_rows_resume_a_killed_run_and_refuse_another_run(invoke, tiny_mod
     complete = invoke(*resume)  # every trial there: the tables only
     assert f"took 4 of 4 trials from {rows}; none left to read" in complete.stderr
     assert without_time(json.loads(complete.stdout)) == without_time(whole)
+    # a row graded by an older, looser grader counts as the strict grader says: the key inside a longer number misses
+    loose = [json.loads(line) for line in rows.read_text().splitlines()]
+    loose[0].update(answer=f"The pass key is {loose[0]['key']}0.", correct=True)
+    rows.write_text("".join(json.dumps(row) + "\n" for row in loose))
+    regraded = json.loads(invoke(*resume).stdout)["trials"]
+    assert regraded[0]["correct"] is False and regraded[0]["answer"] == loose[0]["answer"]
 
     other = tmp_path / "other.txt"
     other.write_text(TEXT[::-1] * 3)

@@ -269,6 +269,77 @@ def test_resume_checks_the_content_not_the_name(invoke, tiny_model_dir, tmp_path
     assert "another text" in one_line(other, 1)
 
 
+def test_a_checkpoint_knows_its_model_by_its_files_not_by_its_name(invoke, tiny_model_dir, tmp_path, monkeypatch):
+    """The same model folder named another way resumes to the uninterrupted numbers; the folder with its
+    tokenizer or one weight changed, or other library releases, are refused with one line saying what differs."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    book = long_book(tmp_path)
+    folder = tmp_path / "ckpt"
+    assert invoke(*ppl(model, book, "-n", "150", "--checkpoint", folder)).exit_code == 0
+    whole = invoke(*ppl(model, book, "-n", "300"))
+    monkeypatch.chdir(tmp_path)
+    for spelling in ("model/", "./model"):  # relative, a trailing slash: the same files
+        again = invoke(*ppl(spelling, book, "-n", "300", "--checkpoint", folder, "--resume"))
+        assert again.exit_code == 0, again.stderr
+        assert {**numbers(again.stdout), "model": None} == {**numbers(whole.stdout), "model": None}
+
+    resume = ppl(model, book, "-n", "400", "--checkpoint", folder, "--resume")
+    with monkeypatch.context() as patch:
+        import kvcli.checkpoint
+
+        patch.setattr(kvcli.checkpoint, "library_versions", lambda: {"torch": "9.9", "transformers": "5.23"})
+        line = one_line(invoke(*resume), 1)
+        assert "it was made with torch " in line and "this run has 9.9" in line
+    settings = model / "tokenizer_config.json"
+    original = settings.read_text(encoding="utf-8")
+    settings.write_text(json.dumps({**json.loads(original), "model_max_length": 12345}), encoding="utf-8")
+    line = one_line(invoke(*resume), 1)
+    assert "the model's tokenizer differs from the checkpoint's (sha256 " in line
+    settings.write_text(original, encoding="utf-8")
+    (weights,) = model.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1.0  # one weight of one tensor
+    save_file(tensors, weights, metadata={"format": "pt"})
+    line = one_line(invoke(*resume), 1)
+    assert line.startswith(f"kvcli: error: --checkpoint {folder}: the model's weights differ from the checkpoint's "
+                           "(sha256 ") and "--overwrite" not in line
+
+
+def test_the_checkpointer_refuses_what_it_cannot_restore(tmp_path, monkeypatch, invoke, tiny_model_dir):
+    """A quantized cache is refused by the Checkpointer before a block runs (a library caller gets the error, not a
+    file the safe loader refuses later); any state that is not plain data is refused when saved, writing nothing."""
+    import kvcli.checkpoint
+    from kvcli.checkpoint import Checkpointer
+    from kvcli.engine import Engine
+    from kvcli.errors import UsageError
+    from kvcli.methods import make_method
+    from kvcli.models import tiny_llama
+
+    model = tiny_llama()
+    tokens = [list(range(1, 100))]
+    quantized = Engine(model, make_method("streamingllm"), 48, block=16, kv_bits=8)
+    saver = Checkpointer(tmp_path / "ckpt", {"block": 16}, 32, None)
+    with pytest.raises(UsageError, match="a checkpoint holds a 16-bit cache only, not one of 8 bits"):
+        saver.begin(quantized, tokens, None)
+    monkeypatch.setattr(kvcli.checkpoint, "check_restorable", lambda bits: None)  # past the first guard
+    state, feed = saver.begin(quantized, tokens, None)
+    with pytest.raises(KvcliError, match=r"cannot checkpoint checkpoint\.cache\.layers\[0\]\.keys: a QuantizedTokens"):
+        quantized.score(feed, state=state, on_state=saver.on_state)
+    assert not saver.path.exists()
+    monkeypatch.undo()
+    line = one_line(invoke(*ppl(tiny_model_dir, long_book(tmp_path), "--kv-bits", "8", "--checkpoint",
+                                tmp_path / "cli")), 2)
+    assert "16-bit cache only" in line
+
+
 def test_rows_resume_by_any_path_and_refuse_an_edited_document(invoke, tiny_model_dir, tmp_path, monkeypatch):
     import json
 

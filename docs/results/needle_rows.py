@@ -21,21 +21,24 @@ from collections import defaultdict
 from math import comb
 from pathlib import Path
 
-from kvcli.needle import wilson_interval
+from kvcli.needle import is_correct, wilson_interval
 
 TUNING = ("pg98-a-tale-of-two-cities", "pg1342-pride-and-prejudice", "pg11-alice-in-wonderland")
 
 
 def read_trials(path: Path) -> list[dict]:
-    """The trials of a ``--rows`` file (lines) or of a ``--json`` output (one object with ``trials``)."""
+    """The trials of a ``--rows`` file (lines) or of a ``--json`` output (one object with ``trials``), each graded
+    again by kvcli's grader (the files keep the grade of the kvcli that ran them: rescore.py)."""
     text = path.read_text()
     try:
         whole = json.loads(text)
     except json.JSONDecodeError:  # more than one JSON value: a rows file
         whole = None
     if isinstance(whole, dict) and "trials" in whole:
-        return whole["trials"]
-    return [row for row in map(json.loads, text.splitlines()) if "correct" in row]
+        rows = whole["trials"]
+    else:
+        rows = [row for row in map(json.loads, text.splitlines()) if "correct" in row]
+    return [{**row, "correct": is_correct(row["answer"], row["key"])} for row in rows]
 
 
 def rate(rows: list[dict]) -> str:

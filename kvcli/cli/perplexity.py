@@ -95,8 +95,10 @@ def ppl(
     check_at_least(1, max_tokens=max_tokens)
     block_size = parse_block(block)
     bits = parse_kv_bits(kv_bits)
-    if bits != 16 and checkpoint is not None:
-        raise UsageError("--checkpoint saves a 16-bit cache only: leave out --kv-bits or --checkpoint")
+    if checkpoint is not None:
+        from kvcli.checkpoint import check_restorable
+
+        check_restorable(bits)  # before the model loads; the Checkpointer itself refuses it too
     if (context is None) != (stride is None):
         raise UsageError("--context and --stride go together")
     if context is not None and not 1 <= stride <= context:

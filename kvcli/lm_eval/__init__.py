@@ -1,16 +1,13 @@
 """kvcli inside lm-evaluation-harness: the model ``kvcli``, whose every request runs through a compressed cache.
 
-    lm_eval --model kvcli --model_args method=treekv,cache=1024 --tasks TASK --include_path DIR
+    python -m kvcli.lm_eval --model kvcli --model_args method=treekv,cache=1024 --tasks TASK --include_path DIR
 
-lm-eval (``pip install 'kvcli[eval]'``, 0.4.x) finds a model by name in its registry. This module
-registers :class:`KvcliLM` there when it is imported, and nothing in kvcli imports it: the library and
-the CLI run without lm-eval installed. lm-eval 0.4.x reads no plugin entry points, so a pip-installed
-kvcli ships a start-up hook (``kvcli_lm_eval_hook.pth``, the top-level module ``kvcli_lm_eval_hook``)
-that puts the lazy placeholder ``"kvcli.lm_eval:KvcliLM"`` in the registry when lm-eval loads its own
-models: this module is imported only when lm-eval is asked for ``kvcli``. Later lm-eval releases may
-read the ``lm_eval.models`` entry point instead. Where the hook is missing (a source tree that was not
-pip-installed), ``python -m kvcli.lm_eval`` imports this module and hands the command line to lm-eval's
-own CLI, and a Python caller does ``import kvcli.lm_eval`` before ``lm_eval.simple_evaluate(model="kvcli")``.
+lm-eval (``pip install 'kvcli[eval]'``, 0.4.10 to 0.4.x) finds a model by name in its registry, and no
+release reads plugin entry points: a model of another package is there only once that package is imported.
+This module registers :class:`KvcliLM` when it is imported, and nothing else in kvcli imports it (the library
+and the CLI run without lm-eval installed). So the two routes are ``python -m kvcli.lm_eval ARGS``
+(:func:`main`: lm-eval's own command line after this import) and, from Python, ``import kvcli.lm_eval``
+before ``lm_eval.simple_evaluate(model="kvcli", ...)``. Plain ``lm_eval --model kvcli`` does not find it.
 
 What each request type does under compression (docs/lm-eval.md):
 
@@ -157,7 +154,30 @@ class KvcliLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
+        """Names the tokenizer in lm-eval's request cache and its record of a chat-templated run."""
         return self.loaded.name.replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm-eval's ``--apply_chat_template``: the conversation as the tokenizer's chat template writes it.
+
+        As lm-eval's Hugging Face model does: without ``add_generation_prompt`` the last (assistant) message is
+        continued rather than closed, and a template that refuses a system turn gets the conversation without
+        it. The text keeps the template's special tokens (``<|im_start|>``), which :meth:`tok_encode` parses.
+        """
+        from jinja2.exceptions import TemplateError
+
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UsageError(f"{self.loaded.name} has no chat template: run without --apply_chat_template")
+
+        def render(history: list[dict[str, str]]) -> str:
+            return self.tokenizer.apply_chat_template(history, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt)
+
+        try:
+            return render(chat_history)
+        except TemplateError:
+            return render([message for message in chat_history if message["role"] != "system"])
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """Token ids of a piece of text; special tokens only when asked (contexts get them when read)."""
