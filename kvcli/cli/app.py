@@ -14,7 +14,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from kvcli.cli import analyze, bench, cache, listing, needle, perplexity, pod, reading, speed
+from kvcli.cli import analyze, bench, cache, listing, needle, perplexity, pod, reading, ruler, speed
 from kvcli.errors import BudgetError, KvcliError, UsageError
 
 
@@ -65,6 +65,7 @@ app.command()(perplexity.ppl)
 app.command()(reading.summarize)
 app.command()(reading.ask)
 app.command()(needle.needle)
+app.command()(ruler.ruler)
 app.command()(bench.bench)
 app.command("bench-speed")(speed.bench_speed)
 app.command()(analyze.analyze)

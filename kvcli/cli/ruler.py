@@ -1,0 +1,146 @@
+"""``kvcli ruler``: RULER's synthetic tasks, every sample read as ``kvcli ask`` reads it (:mod:`kvcli.ruler`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvcli.cli.options import (
+    CacheOpt,
+    KvBitsOpt,
+    MethodsOptionOpt,
+    ReadBlockOpt,
+    Setup,
+    check_at_least,
+    check_cache,
+    method_options,
+    parse_kv_bits,
+    parse_read_block,
+    split_list,
+    with_setup,
+)
+from kvcli.cli.reading import OneShotOpt, ProbeOpt, RecapOpt, check_recap
+from kvcli.errors import UsageError
+from kvcli.recap import RECAP_TOKENS
+
+#: The tasks of kvcli.ruler.TASKS, here so that --help and the checks need no torch.
+TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+              "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
+
+
+def ruler_length(item: str) -> int:
+    """A length in tokens: ``4096``, or ``4k`` read as RULER writes its lengths (4k = 4,096, 16k = 16,384)."""
+    item = item.strip().lower()
+    return int(float(item[:-1]) * 1024) if item.endswith("k") else int(item)
+
+
+@with_setup
+def ruler(
+    source: Annotated[str, typer.Argument(help="A book (text file, folder or -): the haystack of the essay tasks "
+                                          "and the words of keys and of cwe.")],
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated tasks (all: " + ",".join(TASK_NAMES)
+                                       + ").")] = ",".join(TASK_NAMES),
+    lengths: Annotated[str, typer.Option("--lengths", help="Comma-separated lengths in the model's tokens, the "
+                                         "prompt and the answer's room together (4096 or 4k).")] = "4096",
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods to compare.")
+                       ] = "full,snapkv,pyramidkv",
+    samples: Annotated[int, typer.Option("--samples", help="Samples per task and length (each method reads the "
+                                         "same ones).")] = 5,
+    cache: CacheOpt = 1024,
+    kv_bits: KvBitsOpt = "16",
+    block: ReadBlockOpt = "auto",
+    option: MethodsOptionOpt = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of every sample's draws.")] = 0,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", "-n", help="Cap on every task's answer "
+                                                       "length (default: each task's own, docs/ruler.md).",
+                                                       show_default=False)] = None,
+    one_shot: OneShotOpt = None,
+    probe: ProbeOpt = True,
+    recap: RecapOpt = RECAP_TOKENS,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every trial and the scores.")] = False,
+    rows: Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per trial to this file as each "
+                                              "trial finishes (whole lines only, even after a kill).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run: take the trials already in "
+                                         "--rows and run the rest (refused if they came from another book, "
+                                         "model or setting).")] = False,
+    *,
+    setup: Setup,
+) -> None:
+    """RULER's synthetic tasks (needles, variable tracking, common and frequent words) at each length, per method.
+
+    Every trial is `kvcli ask DOCUMENT QUESTION --answer-prefix PREFIX` with RULER's text, question and answer
+    prefix; its score is the share of expected values the answer writes as whole words or numbers. Prints the
+    mean score per task, length and method with a 95% interval, and the average over tasks.
+    """
+    from kvcli.methods import METHODS
+    from kvcli.outputs import check_output
+
+    task_list = split_list(tasks, str, "--tasks")
+    for name in task_list:
+        if name not in TASK_NAMES:
+            raise UsageError(f"unknown task {name!r}; choose from: {', '.join(TASK_NAMES)}")
+    method_list = split_list(methods, str, "--methods")
+    for name in method_list:
+        if name not in METHODS:
+            raise UsageError(f"unknown method {name!r}; choose from: {', '.join(sorted(METHODS))}")
+    length_list = split_list(lengths, ruler_length, "--lengths")
+    check_at_least(1, samples=samples, max_new_tokens=max_new_tokens)
+    check_at_least(64, lengths=min(length_list))
+    check_recap(recap)
+    block_size = parse_read_block(block)
+    bits = parse_kv_bits(kv_bits)
+    check_cache(cache)
+    per_method = method_options(method_list, option)
+    if resume and rows is None:
+        raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")
+    if rows is not None:
+        check_output(rows, "--rows")  # before the model loads
+    documents = setup.documents(source)
+    _run(setup, documents, task_list, method_list, length_list, samples=samples, cache=cache, block=block_size,
+         seed=seed, max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe, options=per_method, bits=bits,
+         recap=recap, json_out=json_out, rows=rows, resume=resume)
+
+
+def _run(setup: Setup, documents, task_list, method_list, length_list, *, samples, cache, block, seed,
+         max_new_tokens, one_shot, probe, options, bits, recap, json_out, rows, resume) -> None:
+    import hashlib
+
+    from kvcli.report import dumps, print_result
+    from kvcli.ruler import Book, RulerLog, run_ruler
+
+    text = "\n\n".join("".join(doc.read_chunks()) for doc in documents)
+    book = Book(text)
+    loaded = setup.load()
+
+    def on_trial(trial, done, total) -> None:
+        setup.note(f"[{done}/{total}] {trial.task} {trial.length:,} {trial.method}: {trial.answer[:80]!r} "
+                   f"(score {trial.score:.2f}, expected {' '.join(trial.outputs)}, {trial.seconds:.1f} s)")
+
+    log = RulerLog(rows, resume, about={"model": loaded.name}, note=setup.note) if rows is not None else None
+    try:
+        result = run_ruler(loaded.model, loaded.tokenizer, book, task_list, method_list, lengths=length_list,
+                           samples=samples, budget=cache, block=block, seed=seed, max_new_tokens=max_new_tokens,
+                           one_shot=one_shot, probe=probe, options=options, kv_bits=bits, recap=recap,
+                           warn=setup.say, on_trial=on_trial, log=log,
+                           book_digest=hashlib.sha256(text.encode("utf-8")).hexdigest())
+    except KeyboardInterrupt:
+        if log is not None:
+            setup.note(f"{log.written} new trials are in {rows}; the same command with --resume runs the rest")
+        raise
+    if json_out:
+        print_result(dumps({"model": loaded.name, **result.as_dict()}))
+    else:
+        print_result(score_table(result.scores(), loaded.name))
+
+
+def score_table(scores: list[dict], model: str) -> str:
+    """The scores as plain text: one line per task, length and method, averages last."""
+    lines = [f"RULER on {model}: mean score (95% interval), samples", ""]
+    width = max(len(row["task"]) for row in scores)
+    for row in scores:
+        low, high = row["ci95"]
+        lines.append(f"{row['task']:<{width}}  {row['length']:>7,}  {row['method']:<14} {row['score']:6.1%} "
+                     f"({low:.0%}-{high:.0%})  n={row['samples']}")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""kvcli ruler: RULER's synthetic tasks built from a book, graded strictly, each trial what `kvcli ask` answers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from kvcli.ruler import TASKS, Book, make_sample, recall
+
+SYLLABLES = ("ba", "ko", "mi", "ter", "su", "lan", "do", "vi", "ne", "rok", "pa", "lu", "sen", "ga", "fo")
+
+
+def book_text(sentences: int = 600) -> str:
+    """A book of made-up words (about 3,000 distinct ones, enough for cwe), in sentences of eight words."""
+    words = ["".join(parts) for parts in itertools.product(SYLLABLES, repeat=3)]
+    rng = random.Random(7)
+    return " ".join(" ".join(rng.choice(words) for _ in range(8)).capitalize() + "." for _ in range(sentences))
+
+
+@pytest.fixture()
+def ruler_book(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text(book_text(), encoding="utf-8")
+    return path
+
+
+def tiny(model_dir) -> list[str]:
+    return ["--model", str(model_dir), "--quiet"]
+
+
+@pytest.mark.parametrize(("answer", "outputs", "score"), [
+    ("The special magic numbers are 1234567 and 7654321.", ["1234567", "7654321"], 1.0),
+    ("The special magic numbers are 1234567 and 7654322.", ["1234567", "7654321"], 0.5),
+    ("The special magic number is 60494.", ["6049"], 0.0),  # a longer number holds the value, never answers it
+    ("It is 1,234,567.", ["1234567"], 1.0),  # digits grouped as people write them
+    ("1. Apple 2. pear", ["apple", "pear", "plum"], 2 / 3),  # case aside, as RULER lowercases
+    ("apples and pears", ["apple", "pear"], 0.0),  # a word inside a longer word is not that word
+    ("they are: ABCDE, FGHIJ", ["ABCDE", "FGHIJ"], 1.0),
+    ("the key is red-fox-hole", ["red-fox"], 0.0),  # nor a hyphenated key inside a longer one
+    ("uuid 3f2a6c1e-1b2c-4d5e-8f90-0123456789ab.", ["3f2a6c1e-1b2c-4d5e-8f90-0123456789ab"], 1.0),
+])
+def test_the_grader_scores_recall_of_whole_values(answer, outputs, score):
+    assert recall(answer, outputs) == pytest.approx(score)
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_a_sample_holds_its_needles_fills_its_length_and_is_drawn_from_its_seed(smol_tokenizer, name):
+    from kvcli.prompts import build_prompt, encode, question_instruction
+
+    book = Book(book_text())
+    task = TASKS[name]
+    sample = make_sample(smol_tokenizer, book, name, 1500, 1)
+    assert sample == make_sample(smol_tokenizer, book, name, 1500, 1)
+    assert sample.outputs != make_sample(smol_tokenizer, book, name, 1500, 1, seed=1).outputs
+    parts = build_prompt(smol_tokenizer, question_instruction(sample.question, sample.answer_prefix))
+    assert sample.doc == encode(smol_tokenizer, sample.document)
+    assert sample.tokens == len(parts.prefix) + len(sample.doc) + len(parts.suffix) + task.reserve
+    # the haystack grows by whole units: a word of the book, a list entry, a noise paragraph, a distractor line
+    slack = {"repeat": 40, "needle": 80}.get(task.haystack, 40 if task.kind == "vt" else 10)
+    assert 1500 - slack < sample.tokens <= 1500
+    if task.kind == "niah":
+        assert len(sample.outputs) == task.values * task.queries
+        for value in sample.outputs:
+            assert sample.document.count(f"is: {value}.") == 1
+        assert sample.answer_prefix.endswith(" is" if len(sample.outputs) == 1 else " are")
+    elif task.kind == "vt":
+        assert len(sample.outputs) == 5 and all(f"VAR {var} = " in sample.document for var in sample.outputs)
+    elif task.kind == "cwe":
+        listed = sample.document.split("\n")[-1]
+        counts = {word: listed.split().count(word) for word in sample.outputs}
+        assert len(counts) == 10 and set(counts.values()) == {6}  # RULER's repeats below 4,096 tokens
+    else:
+        words = sample.document.split()
+        top = sorted(set(words) - {"..."}, key=words.count, reverse=True)[:3]
+        assert top == sample.outputs
+
+
+def test_the_command_prints_one_score_per_cell_and_resumes(invoke, tiny_model_dir, ruler_book, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    common = [str(ruler_book), "--tasks", "niah_single_1,niah_single_2", "--lengths", "400", "--methods", "full,snapkv",
+              "--samples", "2", "--cache", "64", "--block", "64", "-n", "4", *tiny(tiny_model_dir)]
+    result = invoke("ruler", *common, "--json", "--rows", str(rows))
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    cells = [(row["task"], row["length"], row["method"]) for row in data["scores"]]
+    assert cells == [("niah_single_1", 400, "full"), ("niah_single_1", 400, "snapkv"), ("niah_single_2", 400, "full"),
+                     ("niah_single_2", 400, "snapkv"), ("average", 400, "full"), ("average", 400, "snapkv")]
+    assert all(row["samples"] == (4 if row["task"] == "average" else 2) for row in data["scores"])
+    assert all(row["ci95"][0] <= row["score"] <= row["ci95"][1] for row in data["scores"])
+    assert len(data["trials"]) == 8 and all(t["one_shot"] for t in data["trials"])
+    assert len(rows.read_text().splitlines()) == 8
+    again = invoke("ruler", *common, "--json", "--rows", str(rows), "--resume")
+    assert again.exit_code == 0 and json.loads(again.stdout)["trials"] == data["trials"]
+    text = invoke("ruler", *common)
+    assert text.exit_code == 0 and len(text.stdout.strip().splitlines()) == 2 + 6
+
+
+@pytest.mark.parametrize("arguments", [["--tasks", "niah_single_9"], ["--methods", "nope"], ["--samples", "0"],
+                                       ["--lengths", "4x"], ["--resume"]])
+def test_bad_options_are_one_line_before_any_model(invoke, ruler_book, arguments):
+    result = invoke("ruler", str(ruler_book), *arguments, "--model", "/nonexistent")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("length", [400, 900])  # read in one shot / streamed past the tiny model's 512 context
+def test_a_ruler_trial_answers_what_ask_answers_on_its_text(invoke, tiny_model_dir, smol_tokenizer, ruler_book,
+                                                           tmp_path, length):
+    common = [*tiny(tiny_model_dir), "--cache", "48", "--block", "64", "--max-new-tokens", "4"]
+    data = json.loads(invoke("ruler", str(ruler_book), "--tasks", "niah_single_2", "--methods", "snapkv",
+                             "--lengths", str(length), "--samples", "1", "--json", *common).stdout)
+    (trial,) = data["trials"]
+    sample = make_sample(smol_tokenizer, Book(ruler_book.read_text()), "niah_single_2", length, 0)
+    assert sample.outputs == trial["outputs"]
+    document = tmp_path / "document.txt"
+    document.write_text(sample.document, encoding="utf-8")
+    asked = json.loads(invoke("ask", str(document), sample.question, "--answer-prefix", sample.answer_prefix,
+                              "--method", "snapkv", *common, "--json").stdout)
+    assert asked["answer"].startswith(sample.answer_prefix)
+    assert asked["answer"][len(sample.answer_prefix):].strip() == trial["answer"]
+    assert (asked["prompt_tokens"], asked["one_shot"]) == (trial["prompt_tokens"], trial["one_shot"])
+    assert trial["one_shot"] == (length < 512)
