@@ -68,6 +68,7 @@ def bench(
     block_size = parse_block(block)
     bits = [parse_kv_bits(item) for item in split_list(kv_bits, str, "--kv-bits")]
     specs = plan_grid(method_list, budgets, method_options(list(dict.fromkeys(method_list)), option), bits)
+    setup.check_outputs({"--out": out}, source, data_dir=data_dir, folders=("--out",))
     check_out_dir(out)
     documents = setup.documents(source, data_dir)
     loaded = setup.load()

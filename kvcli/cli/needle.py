@@ -98,10 +98,11 @@ def needle(
     bits = parse_kv_bits(kv_bits)
     check_cache(cache)
     per_method = method_options(method_list, option)
-    if plots:
-        check_output(out, "--out", folder=True)  # before the grid, not after it
     if resume and rows is None:
         raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")
+    setup.check_outputs({"--out": out if plots else None, "--rows": rows}, source, folders=("--out",))
+    if plots:
+        check_output(out, "--out", folder=True)  # before the grid, not after it
     if rows is not None:
         check_output(rows, "--rows")  # before the model loads
     documents = setup.documents(source)

@@ -92,6 +92,19 @@ class Setup:
 
             stderr_console.print(message, markup=False, highlight=False)
 
+    def check_outputs(self, outputs: dict[str, Path | None], source: str | None = None, *,
+                      data_dir: Path | None = None, folders: tuple[str, ...] = (),
+                      inputs: tuple[tuple[str, Path | str | None], ...] = ()) -> None:
+        """Refuse, before anything is opened, an output (flag -> path; ``folders`` names the flags that are
+        folders) that would write over SOURCE, the model or one of ``inputs`` ((what, path) pairs)
+        (:func:`kvcli.paths.check_apart`)."""
+        from kvcli.paths import Input, Output, check_apart, model_inputs, source_inputs
+
+        given = [*source_inputs(source or "-", data_dir), *model_inputs(self.model)]
+        given += [Input(what, Path(path)) for what, path in inputs if path is not None]
+        check_apart([Output(flag, Path(path), flag in folders) for flag, path in outputs.items() if path is not None],
+                    given)
+
     def documents(self, source: str, data_dir: Path | None = None) -> list:
         """SOURCE as documents, checked before any model loads."""
         from kvcli.documents import open_source

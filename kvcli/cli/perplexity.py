@@ -115,8 +115,6 @@ def ppl(
         raise UsageError("--jsonl cannot continue the per-block curve of a resumed stream: leave it out")
     if logits_top_k is not None and save_logits is None:
         raise UsageError("--logits-top-k goes with --save-logits")
-    if save_logits is not None and kl_base is not None and save_logits.resolve() == kl_base.resolve():
-        raise UsageError("--save-logits would overwrite the --kl-base reference: give another file")
     if (save_logits is not None or kl_base is not None) and (resume or checkpoint is not None):
         raise UsageError("--save-logits and --kl-base follow one uninterrupted run token by token: leave out "
                          "--resume and --checkpoint")
@@ -133,6 +131,8 @@ def ppl(
         raise UsageError(f"{flag} needs one process: several ranks share whole documents")
     nbytes = parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None
     method_obj = build_method(method, option, cache) if nbytes is None else make_method(method, parse_options(option))
+    setup.check_outputs({"--jsonl": jsonl, "--rows": rows, "--save-logits": save_logits, "--checkpoint": checkpoint},
+                        source, data_dir=data_dir, folders=("--checkpoint",), inputs=(("--kl-base", kl_base),))
     for path, flag in ((jsonl, "--jsonl"), (rows, "--rows"), (save_logits, "--save-logits")):
         if path is not None:
             check_output(path, flag)

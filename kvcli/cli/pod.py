@@ -45,6 +45,7 @@ def calibrate(
     from kvcli.outputs import check_output
     from kvcli.report import dumps, print_result
 
+    setup.check_outputs({"--out": out}, source)
     check_output(out, "--out")  # before minutes of calibration, not after
     documents = setup.documents(source)
     loaded = setup.load()
@@ -95,6 +96,8 @@ def adapt(
 
     if save_every < 0:
         raise UsageError(f"--save-every must be >= 0, not {save_every}")
+    setup.check_outputs({"--out": out}, data, folders=("--out",),
+                        inputs=(("--groups", None if groups == "auto" else groups),))
     with lock_folder(out, "--out"):  # checked and held before the model loads: a second run is refused at once
         documents = setup.documents(data)
         loaded = setup.load()

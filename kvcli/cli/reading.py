@@ -168,6 +168,10 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     ranks, setup = join_ranks(setup)
     if ranks.distributed and not read.each:
         raise UsageError("several ranks share the documents of a folder: add --each")
+    from kvcli.presets import find_preset
+
+    setup.check_outputs({"--rows": read.rows}, source,
+                        inputs=tuple(("--preset", find_preset(spec).path) for spec in read.presets))
     if read.rows is not None:
         from kvcli.outputs import check_output
 
