@@ -1,4 +1,4 @@
-"""Outputs never land on inputs: every path a command writes, checked against every path it reads.
+"""Where outputs go: never over an input, and into a file one run at a time.
 
 A typo such as ``kvcli ppl book.txt --jsonl book.txt`` must not cost the book: the check runs before
 any output is opened (and before any model loads), compares every output with every input, and
@@ -14,17 +14,21 @@ command calls (through :meth:`kvcli.cli.options.Setup.check_outputs`). Paths are
 
 Outputs that exist and are neither regular files nor folders (``/dev/null``, ``/dev/full``, a pipe)
 are written into, never replaced, so they never clash with anything.
+
+:func:`hold_file` makes an output file (a rows file) one run's own while the run lasts, with the lock
+:func:`kvcli.outputs.lock_folder` takes on a folder: a second run into it is refused at once.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcli.errors import UsageError
+from kvcli.errors import KvcliError, UsageError
 
 
 @dataclass(frozen=True)
@@ -136,3 +140,34 @@ def model_inputs(spec: str) -> list[Input]:
     """The local file or folder ``--model`` names (nothing for a preset name or a Hub id)."""
     path = Path(os.path.expanduser(spec))
     return [Input("the model", path)] if spec and path.exists() else []
+
+
+@contextmanager
+def hold_file(path: Path, flag: str) -> Iterator[Path]:
+    """Hold the output file ``path`` (created if missing, never truncated here) for one run: a second run that
+    asks for it while this one lasts is refused at once with one line.
+
+    The lock is ``fcntl.flock`` on the file itself, as :func:`kvcli.outputs.lock_folder` takes it on a folder's
+    lock file: the kernel drops it when the process ends in any way, so a killed run leaves no stale lock. A
+    device or a pipe (``/dev/null``) is written into by any number of runs and is not locked.
+    """
+    import fcntl
+
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        yield path
+        return
+    try:
+        handle = open(path, "a")  # noqa: SIM115 - held open for the run, closed below
+    except OSError as exc:
+        raise KvcliError(f"{flag} {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise KvcliError(f"{flag} {path} is in use by another kvcli run: wait for it to end, or use another "
+                         "file") from None
+    try:
+        yield path
+    finally:
+        handle.close()  # closing the file releases the lock

@@ -37,6 +37,7 @@ def _length(item: str) -> int:
 
 @with_setup
 def needle(
+    ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="A book (text file, folder or -) to cut the haystacks from.")],
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods to compare.")] = "full,snapkv",
     lengths: Annotated[str, typer.Option("--lengths", help="Comma-separated haystack lengths in tokens "
@@ -104,7 +105,10 @@ def needle(
     if plots:
         check_output(out, "--out", folder=True)  # before the grid, not after it
     if rows is not None:
+        from kvcli.paths import hold_file
+
         check_output(rows, "--rows")  # before the model loads
+        ctx.with_resource(hold_file(rows, "--rows"))  # one run per rows file, until the command ends
     documents = setup.documents(source)
     loaded = setup.load()
     tokens = book_tokens(documents, loaded.tokenizer, max(length_list) * trials)

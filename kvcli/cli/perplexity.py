@@ -136,6 +136,10 @@ def ppl(
     for path, flag in ((jsonl, "--jsonl"), (rows, "--rows"), (save_logits, "--save-logits")):
         if path is not None:
             check_output(path, flag)
+    if rows is not None and ranks.main:  # one run per rows file, until the command ends
+        from kvcli.paths import hold_file
+
+        ctx.with_resource(hold_file(rows, "--rows"))
     if checkpoint is not None:
         # The folder is this run's until the command ends (its context closes it then, however it ends),
         # and is checked before the model loads.
@@ -146,6 +150,7 @@ def ppl(
         claim(checkpoint, resume, overwrite)
     from kvcli.checkpoint import Checkpointer, identity
     from kvcli.cli.render import ppl_summary
+    from kvcli.identity import rows_identity
     from kvcli.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter, Reference
     from kvcli.outputs import SideFailures, open_output
     from kvcli.perplexity import PerplexityRun, evaluate
@@ -218,7 +223,10 @@ def ppl(
                                                    context=context, stride=stride, on_block=on_block,
                                                    rows_path=rows, resume=resume, ranks=ranks,
                                                    on_document=on_document, checkpoint=saver,
-                                                   on_logits=on_logits if hooks else None, failures=failures)
+                                                   on_logits=on_logits if hooks else None, failures=failures,
+                                                   rows_identity=rows_identity("ppl", **identity(loaded, engine),
+                                                                               kv_bits=bits, context=context,
+                                                                               stride=stride))
         finished = True
     finally:
         if jsonl_file:

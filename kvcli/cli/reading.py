@@ -135,9 +135,11 @@ def apply_presets(ctx: typer.Context, specs: list[str] | None, setup: Setup, rea
                                       stop=list(dict.fromkeys([*merged.get("stop", []), *read.stop])))
 
 
-def read_and_write(ctx: typer.Context, command: str, source: str, instruction, setup: Setup, read: ReadOptions
-                   ) -> None:
-    """The shared body of ``summarize`` and ``ask``."""
+def read_and_write(ctx: typer.Context, command: str, source: str, instruction, setup: Setup, read: ReadOptions,
+                   about: dict) -> None:
+    """The shared body of ``summarize`` and ``ask``; ``about`` is what the user asked (the question, the prompt
+    or template), recorded in every row of ``--rows``."""
+    from kvcli.checkpoint import identity
     from kvcli.cli.render import reading_summary
     from kvcli.generate import Reader, document_tokens
     from kvcli.prompts import build_prompt, stop_token_ids
@@ -174,8 +176,11 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
                         inputs=tuple(("--preset", find_preset(spec).path) for spec in read.presets))
     if read.rows is not None:
         from kvcli.outputs import check_output
+        from kvcli.paths import hold_file
 
         check_output(read.rows, "--rows")
+        if ranks.main:  # one run per rows file, until the command ends
+            ctx.with_resource(hold_file(read.rows, "--rows"))
     documents = setup.documents(source)
     loaded = setup.load()
     tokenizer = loaded.tokenizer
@@ -184,7 +189,11 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
                     temperature=read.temperature, seed=read.seed, recap=read.recap)
     if read.each:
-        each_document(command, documents, reader, parts, instruction, setup, read, ranks)
+        about = {**about, **identity(loaded, engine), "kv_bits": bits, "instruction": instruction.text,
+                 "cue": instruction.cue, "answer_prefix": instruction.answer_prefix, "chat_template": parts.chat,
+                 "max_new_tokens": read.max_new_tokens, "temperature": read.temperature, "seed": read.seed,
+                 "one_shot": read.one_shot, "probe": read.probe, "recap": read.recap, "stop": read.stop}
+        each_document(command, documents, reader, parts, instruction, setup, read, ranks, about)
         return
     out = None if read.json_out else StdoutStream()
     reset_peak_memory(loaded.device)
@@ -234,10 +243,12 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
 
 
 def each_document(command: str, documents: list, reader, parts, instruction, setup: Setup, read: ReadOptions,
-                  ranks) -> None:
-    """``--each``: every document read with a fresh cache and written about; one JSON row per document."""
+                  ranks, about: dict) -> None:
+    """``--each``: every document read with a fresh cache and written about; one JSON row per document, which
+    records ``about`` (the settings that made it) in ``--rows``."""
     from kvcli.corpus import run_corpus
     from kvcli.generate import document_tokens
+    from kvcli.identity import rows_identity
     from kvcli.report import DocumentProgress, dumps, print_result, stderr_console
 
     tokenizer = reader.tokenizer
@@ -262,7 +273,8 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
     try:
         with progress:
             job = run_corpus(documents, process, rows_path=read.rows, resume=read.resume, ranks=ranks,
-                             on_row=show if to_stdout and not ranks.distributed else None)
+                             on_row=show if to_stdout and not ranks.distributed else None,
+                             identity=rows_identity(command, **about), warn=setup.say)
     finally:
         ranks.close()
     if not ranks.main:
@@ -271,7 +283,7 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
         for row in job.rows:
             show(row)
     fresh = [row for row, new in zip(job.rows, job.new, strict=True) if new]
-    tokens = sum(row["prompt_tokens"] + row["generated_tokens"] for row in fresh)
+    tokens = sum(row.get("prompt_tokens", 0) + row.get("generated_tokens", 0) for row in fresh)
     if not setup.quiet:
         seconds = max(job.seconds, 1e-9)
         stderr_console.print(f"{command}: {len(fresh):,} documents ({job.resumed:,} resumed) on {ranks.world_size} "
@@ -309,7 +321,8 @@ def summarize(
         if name not in TEMPLATES:
             raise UsageError(f"unknown --template {name!r}; choose one of: {', '.join(TEMPLATES)}")
         instruction = dataclasses.replace(TEMPLATES[name], answer_prefix=read.answer_prefix)
-    read_and_write(ctx, "summarize", source, instruction, setup, read)
+    read_and_write(ctx, "summarize", source, instruction, setup, read,
+                   {"prompt": prompt} if prompt is not None else {"template": template or "summary"})
 
 
 @with_reading(max_new_tokens=128, recap=RECAP_TOKENS)
@@ -331,4 +344,5 @@ def ask(
 
     if not question.strip():
         raise UsageError("the question is empty")
-    read_and_write(ctx, "ask", source, question_instruction(question, read.answer_prefix), setup, read)
+    read_and_write(ctx, "ask", source, question_instruction(question, read.answer_prefix), setup, read,
+                   {"question": question})
