@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from test_corpora import corpus, one_line_error
 
 # --------------------------------------------------------------------------- outputs never land on inputs
@@ -169,3 +170,148 @@ def test_an_empty_document_is_skipped_with_a_row_and_the_corpus_finishes(invoke,
     assert each.exit_code == 0, each.stderr
     assert [json.loads(line).get("skipped") for line in each.stdout.splitlines()] == [None, "empty", None]
     assert "input is empty" in one_line_error(invoke(*_ppl(folder / "doc1.txt", tiny_model_dir)))
+
+
+# --------------------------------------------------------------------------- the battery: one line each
+
+HUGE = "99999999999999999999"
+ADAPT = ["adapt", "--data", "{book}", "--out", "{tmp}/a", "--tokens", "128", "--seq-len", "64", "--recent", "16"]
+
+
+def _bad_file(name: str, tmp_path, model_dir, config_home):
+    """The broken input a case names, made on demand: a folder of the review's fixtures, one file at a time."""
+    import shutil
+
+    from conftest import TEXT
+
+    if name == "u16":
+        path = tmp_path / "u16.txt"
+        path.write_bytes(TEXT.encode("utf-16-le"))  # UTF-16 without its byte order mark
+        return path
+    if name == "evil":
+        path = tmp_path / "evil.toml"
+        path.write_bytes(b'method = "\xff\xfe"\n')
+        return path
+    if name == "user_evil":
+        folder = config_home / "kvcli" / "presets"
+        folder.mkdir(parents=True)
+        (folder / "evil.toml").write_bytes(b'method = "\xff\xfe"\n')
+        return folder
+    if name == "results":
+        folder = tmp_path / "bench"
+        folder.mkdir()
+        (folder / "results.json").write_text('{"runs": [42, null]}')
+        return folder
+    if name == "groups":
+        path = tmp_path / "groups.json"
+        path.write_text(json.dumps({"format": "kvcli-pod-groups/1", "model": "m", "model_type": "llama",
+                                    "layers": 10**13, "heads": 4, "kv_heads": 2, "head_dim": 8, "hidden_size": 32,
+                                    "vocab_size": 49152, "groups": [[[0, 1]], [[0], [1]]]}))
+        return path
+    folder = tmp_path / name  # a copy of the model folder with one file broken
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if name == "config_list":
+        (folder / "config.json").write_text("[]")
+    elif name == "config_type":
+        (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+    elif name == "safetensors":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:200])
+    elif name == "tokenizer":
+        (folder / "tokenizer.json").write_bytes(b"\xff\xfe{not utf-8")
+    return folder
+
+
+#: (case, arguments with {placeholders}, exit code, what the one line on stderr says). {book}, {model} and {tmp} are
+#: the short book, the tiny model folder and the test's folder; any other placeholder is a broken input made by
+#: _bad_file; an argument starting with + is made but not passed. A case without --model gets a missing one: it is
+#: refused before any model is needed.
+BATTERY = [
+    ("utf16-no-bom", ["ppl", "{u16}", "--encoding", "utf-16", "--model", "{model}"], 1, "name its byte order"),
+    ("config-list", ["ppl", "{book}", "--model", "{config_list}"], 1, "could not load the model from"),
+    ("config-field", ["ppl", "{book}", "--model", "{config_type}"], 1, "hidden_size"),
+    ("safetensors-header", ["ppl", "{book}", "--model", "{safetensors}"], 1, "could not load the model from"),
+    ("tokenizer-bytes", ["ppl", "{book}", "--model", "{tokenizer}"], 1, "could not load the model from"),
+    ("preset-bytes", ["ask", "{book}", "Who?", "--preset", "{evil}", "--model", "{model}"], 2, "not UTF-8 text"),
+    ("user-preset-bytes", ["presets", "+{user_evil}"], 0, "evil.toml is not valid TOML: not UTF-8 text"),
+    ("device-meta", ["ppl", "{book}", "--device", "meta"], 2, "--device 'meta': choose auto, cpu, cuda or cuda:N"),
+    ("device-mps", ["ppl", "{book}", "--device", "mps"], 2, "choose auto, cpu, cuda or cuda:N"),
+    ("speed-device", ["bench-speed", "--device", "meta"], 2, "choose auto, cpu, cuda or cuda:N"),
+    ("temperature-nan", ["ask", "{book}", "Who?", "--temperature", "nan"], 2, "--temperature must be 0 (greedy)"),
+    ("temperature-tiny", ["ask", "{book}", "Who?", "--temperature", "1e-45"], 2, "at least 0.0001, not 1e-45"),
+    ("lr-nan", [*ADAPT, "--lr", "nan"], 2, "--lr"),
+    ("lr-inf", [*ADAPT, "--lr", "inf"], 2, "not inf"),
+    ("sinks", [*ADAPT, "--sinks", "-1"], 2, "not -1"),
+    ("recent", [*ADAPT, "--recent", "-5"], 2, "not -5"),
+    ("cache-bytes", ["ppl", "{book}", "--cache-bytes", "1" + "0" * 400], 2, "more than any memory"),
+    ("speed-cache", ["bench-speed", "--cache", HUGE], 2, f"--cache must be at most 1,099,511,627,776, not {HUGE}"),
+    ("seed", ["ask", "{book}", "Who?", "--seed", HUGE], 2, "--seed must be an integer"),
+    ("groups-layers", ["ppl", "{book}", "--method", "pod", "-o", "groups={groups}", "--model", "{model}"], 2,
+     "consecutive layer blocks"),
+    ("top-k-0", ["ppl", "{book}", "--save-logits", "{tmp}/r.kvlogits", "--logits-top-k", "0"], 2,
+     "--logits-top-k must be at least 1, not 0"),
+    ("results-json", ["bench", "{book}", "--out", "{results}", "--model", "{model}", "-n", "32"], 1,
+     "results.json is not a kvcli bench results file (run 1 is 42, not an object)"),
+    ("cache-abc", ["ppl", "{book}", "--cache", "abc"], 2, "invalid value for '--cache'"),
+    ("unknown-command", ["bogus"], 2, "no such command 'bogus' (see '"),
+    ("no-source", ["ppl"], 2, "missing argument"),
+    ("unknown-option", ["ask", "{book}", "Who?", "--cache-bytes", "1B"], 2, "no such option: --cache-bytes"),
+]
+
+
+@pytest.mark.parametrize(("case", "args", "code", "says"), BATTERY, ids=[case[0] for case in BATTERY])
+def test_every_bad_input_of_the_battery_is_one_line(invoke, tiny_model_dir, book, tmp_path, config_home, case, args,
+                                                    code, says):
+    """Each bad input of the review battery: the exit code, one line on stderr saying what is wrong, no traceback."""
+    import re
+
+    def fill(arg: str) -> str:
+        known = {"book": book, "model": tiny_model_dir, "tmp": tmp_path}
+        return re.sub(r"\{(\w+)\}", lambda m: str(known.get(m[1]) or _bad_file(m[1], tmp_path, tiny_model_dir,
+                                                                               config_home)), arg)
+
+    filled = []
+    for arg in args:
+        if arg.startswith("+"):
+            fill(arg[1:])  # made, not passed
+        else:
+            filled.append(fill(arg))
+    if "--model" not in args and args[0] not in ("bench-speed", "bogus", "presets"):
+        filled += ["--model", "/no/such/model"]
+    result = invoke(*filled, *([] if args[0] == "presets" else ["--quiet"]))
+    assert result.exit_code == code, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], result.stderr
+
+
+def test_closed_stdin_is_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for args in (["ppl", "-", "--json"], ["summarize", "-"]):
+        result = subprocess.run([sys.executable, "-m", "kvcli", *args, "--model", "/no/such/model"], text=True,
+                                capture_output=True, env=env, timeout=300, preexec_fn=lambda: os.close(0))
+        assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+            "kvcli: error: stdin is closed: give a file instead of -, or redirect one into stdin (< book.txt)"]
+
+
+def test_a_reference_longer_than_the_tokens_asked_for_compares_over_its_first_ones(invoke, tiny_model_dir, book,
+                                                                                   tmp_path):
+    ref = tmp_path / "ref.kvlogits"
+    common = ["--model", tiny_model_dir, "--block", "32", "--quiet", "--json"]
+    assert invoke("ppl", book, "-n", "256", "--method", "full", "--save-logits", ref, *common).exit_code == 0
+    short = invoke("ppl", book, "-n", "128", "--method", "full", "--kl-base", ref, *common)
+    assert short.exit_code == 0, short.stderr
+    data = json.loads(short.stdout)
+    assert data["tokens"] == data["kl_tokens"] == 128 and data["kl_mean"] == 0.0 and data["same_top"] == 1.0
+    # The records it did not compare are still read: a flipped bit after them is refused, not reported.
+    damaged = tmp_path / "damaged.kvlogits"
+    raw = bytearray(ref.read_bytes())
+    raw[len(raw) - 600] ^= 1
+    damaged.write_bytes(bytes(raw))
+    line = one_line_error(invoke("ppl", book, "-n", "128", "--method", "full", "--kl-base", damaged, *common))
+    assert "do not match their checksum" in line

@@ -15,6 +15,7 @@ from kvcli.cli.options import (
     Setup,
     check_at_least,
     check_cache,
+    check_seed,
     method_options,
     parse_kv_bits,
     parse_read_block,
@@ -98,6 +99,7 @@ def needle(
     block_size = parse_read_block(block)
     bits = parse_kv_bits(kv_bits)
     check_cache(cache)
+    check_seed(seed)
     per_method = method_options(method_list, option)
     if resume and rows is None:
         raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")

@@ -92,7 +92,7 @@ def ppl(
     from kvcli.methods import make_method
     from kvcli.outputs import check_output
 
-    check_at_least(1, max_tokens=max_tokens)
+    check_at_least(1, max_tokens=max_tokens, logits_top_k=logits_top_k, context=context)
     block_size = parse_block(block)
     bits = parse_kv_bits(kv_bits)
     if bits != 16 and checkpoint is not None:
@@ -160,8 +160,10 @@ def ppl(
     # printed first, then one line says which file is incomplete (kvcli.outputs.SideFailures).
     reference = Reference(kl_base) if kl_base is not None else None
     if reference is not None:
+        ctx.call_on_close(reference.close)  # read to the end when fewer tokens are compared (KLMeter.finish)
         if max_tokens is not None and max_tokens > reference.tokens:
             raise UsageError(f"--max-tokens {max_tokens:,} is more than the {reference.tokens:,} tokens of {kl_base}")
+        asked = max_tokens  # fewer tokens than the reference holds compare over its first ones
         max_tokens = max_tokens or reference.tokens  # the reference's tokens unless fewer are asked for
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
@@ -177,9 +179,10 @@ def ppl(
     meter = None
     if reference is not None:
         reference.check_model(loaded.name, vocab)
-        meter = KLMeter(reference)
+        meter = KLMeter(reference, asked)
     failures = SideFailures()
-    writer = LogitsWriter(save_logits, loaded.name, vocab, logits_top_k or DEFAULT_TOP_K) if save_logits else None
+    top_k = DEFAULT_TOP_K if logits_top_k is None else logits_top_k
+    writer = LogitsWriter(save_logits, loaded.name, vocab, top_k) if save_logits else None
     hooks = [hook.add for hook in (writer, meter) if hook is not None]
 
     def on_logits(logprobs, targets) -> None:
@@ -241,8 +244,6 @@ def ppl(
                 failures.oserror("--save-logits", save_logits, exc)
                 writer.abort()
                 writer = None
-        if reference is not None:
-            reference.close()
         ranks.close()
     if not ranks.main:  # rank 0 prints the whole job's result
         failures.check()

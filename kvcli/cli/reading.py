@@ -7,6 +7,7 @@ the generated text to stdout as it is produced (statistics to stderr).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -24,6 +25,7 @@ from kvcli.cli.options import (
     Setup,
     build_method,
     check_at_least,
+    check_seed,
     explicit,
     join_ranks,
     keyword,
@@ -62,6 +64,18 @@ RecapOpt = Annotated[int, typer.Option("--recap", help="A document streamed with
                                        "0 = off; no effect on one-shot reads or on methods that score nothing.")]
 AnswerPrefixOpt = Annotated[str, typer.Option("--answer-prefix", help="Start the answer with this text (e.g. "
                                               "'The answer is'); the model continues it.")]
+
+
+#: The lowest temperature sampled at: below it ``logits / temperature`` overflows float32 into inf and NaN, and
+#: long before that the draw is the greedy choice anyway.
+MIN_TEMPERATURE = 1e-4
+
+
+def check_temperature(temperature: float) -> None:
+    """``--temperature``: 0 (greedy) or a finite number from :data:`MIN_TEMPERATURE` up."""
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+        raise UsageError(f"--temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE}, "
+                         f"not {temperature}")
 
 
 def check_recap(tokens: int) -> None:
@@ -158,8 +172,8 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     check_recap(read.recap)
     block_size = parse_read_block(read.block)
     bits = parse_kv_bits(read.kv_bits)
-    if read.temperature < 0:
-        raise UsageError(f"--temperature must not be negative, not {read.temperature}")
+    check_temperature(read.temperature)
+    check_seed(read.seed)
     method_obj = build_method(read.method, read.options, read.cache)
     if not read.each and (read.rows is not None or read.resume):
         raise UsageError(f"{'--rows' if read.rows is not None else '--resume'} goes with --each (one row per document)")
