@@ -41,8 +41,8 @@ from kvcli.recap import RECAP_TOKENS
 SourceArg = Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text; one by "
                                           "one with --each), or - for stdin.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Stop after generating this many tokens.")]
-TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy; above 0, sample from the "
-                                               "softmax at this temperature.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy; from 0.0001 up, sample "
+                                               "from the softmax at this temperature.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the sampler (--temperature > 0).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout instead of "
                                        "streaming the text.")]
