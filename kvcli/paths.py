@@ -8,9 +8,9 @@ command calls (through :meth:`kvcli.cli.options.Setup.check_outputs`). Paths are
 * **by what they are, not how they are spelled**: the resolved path (``./book.txt``, ``../x/book.txt``
   and a symbolic link to it are one file) and the ``(st_dev, st_ino)`` of what exists (a hard link is
   the same file under another name);
-* **by where they lie**: an input folder is read whole (every ``.txt`` of a corpus, every file of a
-  model folder), so no output may lie anywhere inside one; and an output folder takes files of
-  kvcli's naming, so no input file may lie directly in one.
+* **by where they lie**: an input folder is read whole (every ``.txt`` of a corpus, the files of a
+  model folder), so no output file may lie directly in one (a subfolder is not read); and an output
+  folder takes files of kvcli's naming, so no input file may lie directly in one.
 
 Outputs that exist and are neither regular files nor folders (``/dev/null``, ``/dev/full``, a pipe)
 are written into, never replaced, so they never clash with anything.
@@ -81,17 +81,14 @@ class _Place:
     def same(self, other: _Place) -> bool:
         return self.resolved == other.resolved or (self.inode is not None and self.inode == other.inode)
 
-    def inside(self, folder: _Place) -> bool:
-        """Whether this path lies anywhere below ``folder`` (by path, or by the inode of an existing parent)."""
-        if folder.resolved in self.resolved.parents:
-            return True
-        return folder.inode is not None and any(_Place(parent).inode == folder.inode
-                                                for parent in self.resolved.parents if parent.exists())
+    def directly_in(self, folder: _Place) -> bool:
+        """Whether this path is an entry of ``folder`` (by path, or by the folder's inode)."""
+        return _Place(self.resolved.parent).same(folder)
 
 
 def check_apart(outputs: Iterable[Output], inputs: Iterable[Input]) -> None:
-    """Refuse (:class:`UsageError`, one line naming both) an output that is an input, lies inside an input
-    folder, is an output folder holding an input file, or is the same path as another output."""
+    """Refuse (:class:`UsageError`, one line naming both) an output that is an input, an output file directly in
+    an input folder, an output folder holding an input file, or two outputs on the same path."""
     given = [(item, _Place(item.path)) for item in inputs]
     seen: list[tuple[Output, _Place]] = []
     for out in outputs:
@@ -113,10 +110,10 @@ def _check_pair(out: Output, place: _Place, read: Input, where: _Place) -> None:
         also = "" if Path(out.path) == Path(read.path) else " (the same file by another name)"
         raise UsageError(f"{out.flag} {out.path} is {read.what} {read.path}{also}: an output never replaces an "
                          f"input; choose another {'folder' if out.folder else 'file'}")
-    if where.is_dir and place.inside(where):
-        raise UsageError(f"{out.flag} {out.path} lies inside {read.what} {read.path}, which is read whole: choose "
-                         f"a {'folder' if out.folder else 'file'} outside it")
-    if out.folder and not where.is_dir and where.exists and _Place(where.resolved.parent).same(place):
+    if where.is_dir and not out.folder and place.directly_in(where):
+        raise UsageError(f"{out.flag} {out.path} lies in {read.what} {read.path}, which is read whole: choose a "
+                         "file outside it")
+    if out.folder and not where.is_dir and where.exists and where.directly_in(place):
         raise UsageError(f"{out.flag} {out.path} holds {read.what} {read.path}, and kvcli writes its files there: "
                          "choose another folder")
 

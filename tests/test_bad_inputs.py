@@ -34,10 +34,14 @@ def test_an_output_inside_a_corpus_folder_is_refused(invoke, tiny_model_dir, tmp
     folder = corpus(tmp_path)
     doc = folder / "doc2.txt"
     line = _refused(invoke, ["ppl", folder, "--rows", doc, "--json", "--model", tiny_model_dir], doc)
-    assert f"--rows {doc} lies inside the source {folder}" in line
+    assert f"--rows {doc} lies in the source {folder}" in line
     # Not only over a document: a new file in the folder would be read as one by the next run.
     line = _refused(invoke, ["ppl", folder, "--rows", folder / "rows.jsonl", "--model", tiny_model_dir])
-    assert "lies inside the source" in line and not (folder / "rows.jsonl").exists()
+    assert "lies in the source" in line and not (folder / "rows.jsonl").exists()
+    # A subfolder is not read: an output folder there (a default --out under a corpus in .) is fine.
+    (folder / "rows").mkdir()
+    result = invoke("ppl", folder, "--rows", folder / "rows" / "r.jsonl", "--model", tiny_model_dir, "--quiet", "-n", 8)
+    assert result.exit_code == 0, result.stderr
 
 
 def test_a_hard_link_or_a_symlink_to_the_source_is_the_source(invoke, tiny_model_dir, book, tmp_path):
@@ -57,8 +61,8 @@ def test_outputs_apart_from_the_model_the_reference_presets_and_each_other(invok
     preset.write_text('method = "streamingllm"\ncache = 64\n')
     inside = tiny_model_dir / "rows.jsonl"
     cases = [
-        (["ppl", book, "--jsonl", inside, "--model", tiny_model_dir], "lies inside the model"),
-        (["adapt", "--data", book, "--tokens", "128", "--out", tiny_model_dir, "--model", tiny_model_dir],
+        (["ppl", book, "--jsonl", inside, "--model", tiny_model_dir], "lies in the model"),
+        (["adapt", "--data", book, "--tokens", "2048", "--out", tiny_model_dir, "--model", tiny_model_dir],
          "is the model"),
         (["ppl", book, "--checkpoint", book.parent, "--model", tiny_model_dir], "holds the source"),
         (["ppl", book, "--kl-base", preset, "--save-logits", preset, "--model", tiny_model_dir], "is --kl-base"),

@@ -184,17 +184,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     ranks, setup = join_ranks(setup)
     if ranks.distributed and not read.each:
         raise UsageError("several ranks share the documents of a folder: add --each")
-    from kvcli.presets import find_preset
-
-    setup.check_outputs({"--rows": read.rows}, source,
-                        inputs=tuple(("--preset", find_preset(spec).path) for spec in read.presets))
-    if read.rows is not None:
-        from kvcli.outputs import check_output
-        from kvcli.paths import hold_file
-
-        check_output(read.rows, "--rows")
-        if ranks.main:  # one run per rows file, until the command ends
-            ctx.with_resource(hold_file(read.rows, "--rows"))
+    claim_rows(ctx, source, setup, read, ranks.main)
     documents = setup.documents(source)
     loaded = setup.load()
     tokenizer = loaded.tokenizer
@@ -203,11 +193,11 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
                     temperature=read.temperature, seed=read.seed, recap=read.recap)
     if read.each:
-        about = {**about, **identity(loaded, engine), "kv_bits": bits, "instruction": instruction.text,
-                 "cue": instruction.cue, "answer_prefix": instruction.answer_prefix, "chat_template": parts.chat,
-                 "max_new_tokens": read.max_new_tokens, "temperature": read.temperature, "seed": read.seed,
-                 "one_shot": read.one_shot, "probe": read.probe, "recap": read.recap, "stop": read.stop}
-        each_document(command, documents, reader, parts, instruction, setup, read, ranks, about)
+        settings = {**about, **identity(loaded, engine), "kv_bits": bits, "instruction": instruction.text,
+                    "cue": instruction.cue, "answer_prefix": instruction.answer_prefix, "chat_template": parts.chat,
+                    "max_new_tokens": read.max_new_tokens, "temperature": read.temperature, "seed": read.seed,
+                    "one_shot": read.one_shot, "probe": read.probe, "recap": read.recap, "stop": read.stop}
+        each_document(command, documents, reader, parts, instruction, setup, read, ranks, settings)
         return
     out = None if read.json_out else StdoutStream()
     reset_peak_memory(loaded.device)
@@ -256,10 +246,27 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
         raise typer.Exit(130)
 
 
+def claim_rows(ctx: typer.Context, source: str, setup: Setup, read: ReadOptions, main: bool) -> None:
+    """Before anything is opened: ``--rows`` apart from every input (the source, the model, the presets), writable,
+    and held by this run (rank 0 of several) until the command ends."""
+    from kvcli.presets import find_preset
+
+    setup.check_outputs({"--rows": read.rows}, source,
+                        inputs=tuple(("--preset", find_preset(spec).path) for spec in read.presets))
+    if read.rows is None:
+        return
+    from kvcli.outputs import check_output
+    from kvcli.paths import hold_file
+
+    check_output(read.rows, "--rows")
+    if main:
+        ctx.with_resource(hold_file(read.rows, "--rows"))
+
+
 def each_document(command: str, documents: list, reader, parts, instruction, setup: Setup, read: ReadOptions,
-                  ranks, about: dict) -> None:
+                  ranks, settings: dict) -> None:
     """``--each``: every document read with a fresh cache and written about; one JSON row per document, which
-    records ``about`` (the settings that made it) in ``--rows``."""
+    records ``settings`` (what made it) in ``--rows``."""
     from kvcli.corpus import run_corpus
     from kvcli.generate import document_tokens
     from kvcli.identity import rows_identity
@@ -288,7 +295,7 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
         with progress:
             job = run_corpus(documents, process, rows_path=read.rows, resume=read.resume, ranks=ranks,
                              on_row=show if to_stdout and not ranks.distributed else None,
-                             identity=rows_identity(command, **about), warn=setup.say)
+                             identity=rows_identity(command, **settings), warn=setup.say)
     finally:
         ranks.close()
     if not ranks.main:
