@@ -119,6 +119,10 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise KvcliError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    index = device.partition(":")[2]
+    if index.isdigit() and int(index) >= torch.cuda.device_count():
+        raise KvcliError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"numbered from 0")
     try:
         return torch.device(device)
     except RuntimeError as exc:

@@ -319,3 +319,16 @@ def test_a_reference_longer_than_the_tokens_asked_for_compares_over_its_first_on
     damaged.write_bytes(bytes(raw))
     line = one_line_error(invoke("ppl", book, "-n", "128", "--method", "full", "--kl-base", damaged, *common))
     assert "do not match their checksum" in line
+
+
+def test_a_cuda_device_beyond_the_machines_is_one_line(monkeypatch):
+    import torch
+
+    from kvcli.errors import KvcliError
+    from kvcli.models import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(KvcliError, match="has 1 CUDA device"):
+        resolve_device("cuda:3")
