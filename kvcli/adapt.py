@@ -90,6 +90,21 @@ def cosine_lr(step: int, total: int, lr: float) -> float:
     return 0.5 * lr * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
 
 
+def check_settings(*, tokens: int, seq_len: int, lr: float, sinks: int, recent: int) -> None:
+    """Raise :class:`UsageError` for settings that cannot train (checked before any model loads, by the CLI too):
+    no whole piece, a piece with no distant token, a learning rate that is not a positive finite number (NaN or
+    infinity would save NaN weights as an adapted model), a negative number of sinks or recent tokens."""
+    if sinks < 0 or recent < 0:
+        raise UsageError(f"--sinks and --recent count tokens: at least 0, not {sinks if sinks < 0 else recent}")
+    if tokens < seq_len or seq_len < 2:
+        raise UsageError(f"need at least one piece: tokens ({tokens}) >= tokens per piece ({seq_len}) >= 2")
+    if seq_len <= sinks + recent:  # every token would be proximal: the sharing would not be trained at all
+        raise UsageError(f"no query of a {seq_len}-token sequence sees a distant token with {sinks} sinks + {recent} "
+                         "recent: raise the tokens per sequence or lower the recent window")
+    if not 0 < lr < math.inf:
+        raise UsageError(f"--lr (the learning rate) must be a positive finite number, not {lr}")
+
+
 def adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: GroupsFile, out: str | Path, *,
           tokens: int, seq_len: int = 2048, lr: float = 1e-5, sinks: int = 16, recent: int = 1024,
           save_every: int = 50, seed: int = 0,
@@ -104,13 +119,7 @@ def adapt(model: torch.nn.Module, tokenizer, documents: Iterable, groups: Groups
     reports progress.
     """
     groups.check_model(model.config)
-    if tokens < seq_len or seq_len < 2:
-        raise UsageError(f"need at least one piece: tokens ({tokens}) >= tokens per piece ({seq_len}) >= 2")
-    if seq_len <= sinks + recent:  # every token would be proximal: the sharing would not be trained at all
-        raise UsageError(f"no query of a {seq_len}-token sequence sees a distant token with {sinks} sinks + {recent} "
-                         "recent: raise the tokens per sequence or lower the recent window")
-    if lr <= 0:
-        raise UsageError(f"the learning rate must be positive, not {lr}")
+    check_settings(tokens=tokens, seq_len=seq_len, lr=lr, sinks=sinks, recent=recent)
     with lock_folder(Path(out), "--out") as folder:  # one run per folder: two would overwrite each other's state
         return _adapt(model, tokenizer, documents, groups, folder, tokens=tokens, seq_len=seq_len, lr=lr,
                       sinks=sinks, recent=recent, save_every=save_every, seed=seed, on_step=on_step)

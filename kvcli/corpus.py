@@ -9,6 +9,12 @@ decides which documents this process reads, where finished rows go, and what the
   it), and a row that recorded its content (:func:`content_of`) is reused only while the document's
   bytes still hash the same: an edited file is refused with one line, never mixed in. A document
   cut short by Ctrl-C is reported but never written, so it is read again on resume.
+* **Identity.** Every row written records the settings that made it (``run``, see :mod:`kvcli.identity`);
+  ``resume`` refuses rows of another command, model, method, budget, dtype or question with one line
+  naming what differs, before any document is read.
+* **Empty documents.** A document with nothing to read (:class:`kvcli.errors.EmptyDocumentError`) is
+  skipped with a warning and a row ``{"document": ..., "skipped": "empty"}``, so the job finishes and a
+  resumed job skips it too; a corpus of one document fails with the error instead.
 * **Ranks.** Under ``torchrun``/``accelerate launch`` the documents still to do are dealt to the
   ranks longest first, each to the rank with the fewest bytes so far (:func:`shard`). Every rank
   appends to its own part file beside the rows file (``rows.jsonl.rank1``) and sends its rows to
@@ -25,7 +31,8 @@ from pathlib import Path
 
 from kvcli.distributed import Ranks
 from kvcli.documents import Document
-from kvcli.errors import KvcliError
+from kvcli.errors import EmptyDocumentError, KvcliError
+from kvcli.identity import as_json, first_difference
 from kvcli.outputs import RowLog, SideFailures, read_rows
 
 #: What a command does with one document: its row (without the ``document`` key, which the job
@@ -89,6 +96,35 @@ def _check_content(doc: Document, row: dict, path: Path, flag: str) -> None:
                          "run without --resume to start over")
 
 
+def _check_identity(row: dict, identity: dict, path: Path, flag: str) -> dict:
+    """``row`` without its record of the run that made it, after refusing a row of another run."""
+    run = row.get("run")
+    if isinstance(run, dict) and run.get("command") != identity.get("command"):
+        differs = f"it is a row of kvcli {run.get('command')}, this run is {identity.get('command')}"
+    else:
+        differs = first_difference(run, identity)
+    if differs is not None:
+        raise KvcliError(f"{flag} {path}: the row of {row['document']} was not made by this run ({differs}): choose "
+                         f"another {flag} file, or run without --resume to start over")
+    return {key: value for key, value in row.items() if key != "run"}
+
+
+#: What a skipped document's row says: why it holds no measurement.
+SKIPPED_EMPTY = "empty"
+
+
+def _skipped(doc: Document, error: EmptyDocumentError, warn: Callable[[str], None]) -> tuple[dict, bool]:
+    """The row of a document with nothing to read, after one warning."""
+    warn(f"{error.name} {error.why}: skipped")
+    return {"skipped": SKIPPED_EMPTY, **content_of(doc)}, True
+
+
+def _warn(message: str) -> None:
+    from kvcli.report import warn
+
+    warn(message)
+
+
 def part_path(path: Path, rank: int) -> Path:
     """The rows file rank ``rank`` appends to while several ranks run."""
     return path.with_name(f"{path.name}.rank{rank}")
@@ -100,15 +136,20 @@ def _parts(path: Path) -> list[Path]:
 
 def run_corpus(documents: list[Document], process: Process, *, rows_path: Path | None = None,
                flag: str = "--rows", resume: bool = False, ranks: Ranks | None = None,
-               on_row: Callable[[dict], None] | None = None, failures: SideFailures | None = None) -> CorpusResult:
+               on_row: Callable[[dict], None] | None = None, failures: SideFailures | None = None,
+               identity: dict | None = None, warn: Callable[[str], None] | None = None) -> CorpusResult:
     """Run ``process`` over the documents this rank is dealt and gather every row on rank 0.
 
     ``on_row`` sees each row this rank finishes, as it finishes (a command printing rows as they
-    come). ``resume`` skips documents whose rows are in ``rows_path`` or its part files. With
-    ``failures``, a rows file that cannot be written any more (a full disk) is noted there and the job
-    goes on without it, so its result is still reported; without, the error ends the job.
+    come). ``resume`` skips documents whose rows are in ``rows_path`` or its part files, once every
+    row there is found to be made with ``identity`` (the settings each row written records as its
+    ``run``; see :mod:`kvcli.identity`). With ``failures``, a rows file that cannot be written any more
+    (a full disk) is noted there and the job goes on without it, so its result is still reported;
+    without, the error ends the job. ``warn`` says which documents were skipped as empty.
     """
     ranks = ranks or Ranks()
+    identity = as_json(identity or {})
+    warn = warn or _warn
     started = time.perf_counter()
     log: RowLog | None = None
     done: dict[str, dict] = {}
@@ -123,7 +164,7 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
         if resume:
             for source in (rows_path, *_parts(rows_path)):
                 for row in read_rows(source):
-                    done.setdefault(row_key(row["document"]), row)
+                    done.setdefault(row_key(row["document"]), _check_identity(row, identity, rows_path, flag))
             for doc in documents:
                 if row_key(doc.name) in done:
                     _check_content(doc, done[row_key(doc.name)], rows_path, flag)
@@ -139,7 +180,12 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
     for position in share:
         index = todo[position]
         doc = documents[index]
-        outcome = process(index, doc)
+        try:
+            outcome = process(index, doc)
+        except EmptyDocumentError as error:
+            if len(documents) == 1:
+                raise
+            outcome = _skipped(doc, error, warn)
         if outcome is None:
             break
         row, complete = outcome
@@ -152,7 +198,7 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
             break
         if log is not None:
             try:
-                log.append(row)
+                log.append({**row, "run": identity})
             except KvcliError as exc:
                 if failures is None:
                     raise
@@ -182,7 +228,7 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
         names = {row_key(doc.name) for doc in documents}
         others = [row for name, row in done.items() if name not in names]  # rows of other documents stay
         try:
-            RowLog(rows_path, flag).rewrite(written + others)
+            RowLog(rows_path, flag).rewrite([{**row, "run": identity} for row in written + others])
         except KvcliError as exc:
             if failures is None:
                 raise

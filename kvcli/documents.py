@@ -131,6 +131,8 @@ def open_source(
     warn = warn or _print_warning
 
     if source == "-":
+        if sys.stdin is None:  # started with stdin closed (``<&-``): Python has no stream at all
+            raise KvcliError("stdin is closed: give a file instead of -, or redirect one into stdin (< book.txt)")
         return [_stream_document("<stdin>", lambda: sys.stdin.buffer, encoding, chunk_chars, warn)]
     path = Path(source)
     if source and path.exists():
@@ -212,8 +214,24 @@ def _decode(
 
     Decoding starts strict and switches to replacement at the first bad byte: that is how
     the one warning is produced without scanning the input twice. ``tally`` counts and hashes
-    the raw bytes as they are read (what a row or checkpoint was made from).
+    the raw bytes as they are read (what a row or checkpoint was made from). A text the
+    encoding cannot start at all (UTF-16 or UTF-32 without a byte order mark) has no byte to
+    replace: it is one line that says which encoding to name.
     """
+    try:
+        yield from _decode_pieces(stream, name, encoding, chunk_chars, warn, tally)
+    except UnicodeDecodeError:
+        raise  # never: bad bytes are replaced
+    except UnicodeError as exc:
+        hint = "name its byte order, e.g. --encoding utf-16-le" if "BOM" in str(exc) else "choose another --encoding"
+        raise KvcliError(f"cannot decode {name} as {encoding or 'UTF-8'} ({exc}): {hint}") from None
+
+
+def _decode_pieces(
+    stream: BinaryIO, name: str, encoding: str | None, chunk_chars: int, warn: Callable[[str], None],
+    tally: ContentHash | None,
+) -> Iterator[str]:
+    """:func:`_decode` itself."""
     make_decoder = codecs.getincrementaldecoder(encoding or "utf-8-sig")
     decoder = make_decoder("strict")
     strict = True

@@ -31,3 +31,12 @@ class BudgetError(UsageError):
 
 class UnsupportedModelError(KvcliError):
     """A model whose architecture kvcli cannot stream with re-assigned positions (no RoPE, unknown RoPE)."""
+
+
+class EmptyDocumentError(KvcliError):
+    """A document with nothing to read (or, to score, fewer than 2 tokens): a corpus skips it with a warning
+    and a row saying so; a source of one document is an error."""
+
+    def __init__(self, name: str, why: str = "is empty"):
+        self.name, self.why = name, why
+        super().__init__(f"input is empty: {name}" if why == "is empty" else f"{name} {why}")

@@ -165,6 +165,13 @@ class Reference:
         self.records.update(data)
         return np.frombuffer(data, dtype=self.dtype)
 
+    def read_rest(self, digest) -> None:
+        """Read the records the run did not compare, into the records' hash and the token ``digest``, so that the
+        footer's checksums still cover the whole file when fewer tokens were asked for."""
+        chunk = max(1, (1 << 24) // self.dtype.itemsize)
+        while self.read_so_far < self.tokens:
+            digest.update(self.read(min(chunk, self.tokens - self.read_so_far))["target"].tobytes())
+
     def close(self) -> None:
         self.file.close()
 
@@ -185,10 +192,15 @@ class Divergence:
 
 
 class KLMeter:
-    """Compares a run with a :class:`Reference` token by token as it streams (:meth:`add` per chunk)."""
+    """Compares a run with a :class:`Reference` token by token as it streams (:meth:`add` per chunk).
 
-    def __init__(self, reference: Reference):
+    ``asked``: the tokens the run was asked to score when fewer than the reference holds (``--max-tokens``):
+    a run that scores exactly that many is compared over the reference's first ``asked`` tokens.
+    """
+
+    def __init__(self, reference: Reference, asked: int | None = None):
         self.reference = reference
+        self.asked = asked
         self.values = array("f")  # one float per token: the 99th percentile needs them all (4 bytes each)
         self.same = 0
         self.digest = hashlib.sha256()
@@ -216,11 +228,16 @@ class KLMeter:
         self.same += int((logprobs.gather(1, ids[:, :1])[:, 0] >= logprobs.max(dim=-1).values).sum())
 
     def finish(self, interrupted: bool = False) -> Divergence:
-        """The summary; a finished stream shorter than the reference (or another one of the same length) is
-        refused, an interrupted one is summarised over the tokens it compared."""
+        """The summary; a finished stream shorter than the reference (unless it scored the fewer tokens asked for)
+        or another one of the same length is refused, an interrupted one is summarised over the tokens it compared.
+
+        Every token compared was checked against the reference's as it came; when fewer were asked for, the rest
+        of the file is read too, so that a damaged record anywhere is still refused by the footer's checksums."""
         count = len(self.values)
         ref = self.reference
-        if not interrupted and (count != ref.tokens or self.digest.hexdigest() != ref.sha256):
+        if not interrupted and self.asked is not None and count == self.asked < ref.tokens:
+            ref.read_rest(self.digest)
+        if not interrupted and (ref.read_so_far != ref.tokens or self.digest.hexdigest() != ref.sha256):
             raise KvcliError(f"the run scored {count:,} tokens, {ref.path} holds {ref.tokens:,}: "
                              "compare over the same tokens (source, protocol, --max-tokens)")
         if not interrupted and ref.records_sha256 is not None and ref.records.hexdigest() != ref.records_sha256:

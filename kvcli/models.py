@@ -138,6 +138,10 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise KvcliError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    index = device.partition(":")[2]
+    if index.isdigit() and int(index) >= torch.cuda.device_count():
+        raise KvcliError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"numbered from 0")
     try:
         return torch.device(device)
     except RuntimeError as exc:
@@ -264,8 +268,9 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
         # tensors (a crafted pickle) is refused there, and no code of it has run.
         raise KvcliError(f"--model {spec}: its weights are not plain tensors (a pickle that asks to run code was "
                          "refused): use safetensors weights") from None
-    except (struct.error, EOFError, IndexError, KeyError, UnicodeDecodeError):
+    except (struct.error, EOFError, IndexError, KeyError, UnicodeDecodeError) as exc:
         if path.suffix != ".gguf":
+            _unreadable_folder(spec, path, exc)
             raise
         # The GGUF reader unpacks the header field by field and meets the end of a cut file there.
         raise KvcliError(f"cannot read model file {spec}: it is a truncated or corrupt GGUF file") from None
@@ -275,6 +280,9 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
             raise KvcliError(f"cannot read model file {spec}: it is a truncated or corrupt GGUF file (a tensor "
                              "runs past its end)") from None
         raise KvcliError(f"could not load model {spec!r}: {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - only a local folder's: see _unreadable_folder
+        _unreadable_folder(spec, path, exc)
+        raise
 
     if device_map is None and not (load_in_4bit or load_in_8bit):
         model.to(torch_device)
@@ -392,6 +400,15 @@ def _gguf_parsed_once() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
+def _unreadable_folder(spec: str, path: Path, exc: BaseException) -> None:
+    """Raise one line for a local model folder transformers cannot read (a config that is no JSON object or has a
+    field of the wrong type, a damaged safetensors header, a tokenizer that is not UTF-8): the folder is the
+    user's input, whatever in it the reader tripped over."""
+    if path.is_dir():
+        why = " ".join(str(exc).split()) or type(exc).__name__  # a message over several lines, as one
+        raise KvcliError(f"could not load the model from {spec}: {why[:300]}") from None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -11,7 +11,6 @@ not hold for one phrasing only. Every method sees the same haystacks and keys.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -23,11 +22,11 @@ from pathlib import Path
 from kvcli.engine import Engine, check_budget
 from kvcli.errors import KvcliError, UsageError
 from kvcli.generate import Reader
+from kvcli.identity import as_json, first_difference
 from kvcli.kl import token_digest
 from kvcli.outputs import RowLog
 from kvcli.prompts import build_prompt, encode, question_frame, question_instruction, stop_token_ids
 from kvcli.recap import RECAP_TOKENS
-from kvcli.report import dumps
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer with the number only."
@@ -153,9 +152,9 @@ class TrialLog:
         done: dict[tuple, Trial] = {}
         for number, row in enumerate(self.log.start(self.resume, required="trial"), start=1):
             where = f"{self.FLAG} {self.log.path} line {number}"
-            differs = _first_difference(row.get("run"), self.run)
+            differs = first_difference(row.get("run"), self.run)
             if differs is None and row.get("method") in params:
-                differs = _first_difference({"params": row.get("params")}, {"params": params[row["method"]]})
+                differs = first_difference({"params": row.get("params")}, {"params": params[row["method"]]})
             if differs is not None:
                 raise KvcliError(f"{where} is a trial of another run ({differs}): choose another {self.FLAG} file, "
                                  "or run without --resume to start over")
@@ -177,23 +176,6 @@ class TrialLog:
         """Append ``trial``, read with ``params``, as one whole line."""
         self.log.append({**asdict(trial), "params": params, "run": self.run})
         self.written += 1
-
-
-def _first_difference(old, new: dict) -> str | None:
-    """``None`` when ``old`` equals ``new``, else the fields that differ, the first (in ``new``'s order) with values."""
-    if not isinstance(old, dict):
-        return "it records no run"
-    names = [name for name in [*new, *(name for name in old if name not in new)] if old.get(name) != new.get(name)]
-    if not names:
-        return None
-    first = names[0]
-    also = f"; also {', '.join(names[1:])}" if names[1:] else ""
-    return f"its {first} is {old.get(first)!r}, this run's {new.get(first)!r}{also}"
-
-
-def as_json(value):
-    """``value`` as it reads back from JSON (tuples become lists), to compare with what a file holds."""
-    return json.loads(dumps(value))
 
 
 #: One number as an answer may write it, tried in this order wherever a run of digits starts: grouped by threes

@@ -19,7 +19,7 @@ from kvcli.corpus import content_of, run_corpus
 from kvcli.distributed import Ranks
 from kvcli.documents import Document
 from kvcli.engine import BlockStats, Engine, LogitsHook, StreamTotals, kv_bytes_per_token
-from kvcli.errors import UsageError
+from kvcli.errors import EmptyDocumentError, UsageError
 from kvcli.models import LoadedModel
 from kvcli.outputs import SideFailures
 from kvcli.report import peak_memory_bytes, reset_peak_memory
@@ -81,6 +81,7 @@ def evaluate(
     checkpoint: Checkpointer | None = None,
     on_logits: LogitsHook | None = None,
     failures: SideFailures | None = None,
+    rows_identity: dict | None = None,
 ) -> tuple[StreamTotals, list[dict], int, dict | None]:
     """Score ``documents``; return the totals, one row per document (unless streamed), peak memory and,
     for documents scored one by one, the job's throughput.
@@ -92,7 +93,8 @@ def evaluate(
     saved one when ``resume`` is set. ``on_logits`` sees every scored token's log-probabilities in
     stream order, documents one after the other (see :mod:`kvcli.kl`); it needs one process reading
     every document (no ``resume``, one rank). ``failures`` collects a rows file that failed while the job
-    went on (see :class:`kvcli.outputs.SideFailures`).
+    went on (see :class:`kvcli.outputs.SideFailures`). ``rows_identity`` is what every row records as the
+    settings that made it, and what ``resume`` requires of the rows it reuses (:mod:`kvcli.identity`).
     """
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
@@ -139,17 +141,21 @@ def evaluate(
             on_document(index, doc)
         totals = run(iter_tokens(doc, tokenizer), None if remaining is None else remaining + 1)
         scored += totals.tokens
+        if not totals.tokens and not totals.interrupted and len(documents) > 1:
+            raise EmptyDocumentError(doc.name, "has fewer than 2 tokens (nothing to score)")
         return {**document_row(totals), **content_of(doc)}, not totals.interrupted
 
-    job = run_corpus(documents, process, rows_path=rows_path, resume=resume, ranks=ranks, failures=failures)
+    job = run_corpus(documents, process, rows_path=rows_path, resume=resume, ranks=ranks, failures=failures,
+                     identity=rows_identity, warn=engine.warn)
     peaks = ranks.gather(peak_memory_bytes(loaded.device))
     overall = StreamTotals()
     for row in job.rows:
-        overall.add(row_totals(row))
+        if "skipped" not in row:
+            overall.add(row_totals(row))
     overall.interrupted = job.interrupted
     rows = [{"name": row["document"], **row} for row in job.rows] if len(job.rows) > 1 else []
     fresh = [row for row, new in zip(job.rows, job.new, strict=True) if new]
-    processed = sum(row["processed"] for row in fresh)
+    processed = sum(row.get("processed", 0) for row in fresh)
     throughput = {"ranks": ranks.world_size, "documents": len(fresh), "resumed": job.resumed,
                   "tokens": processed, "seconds": job.seconds,
                   "documents_per_second": len(fresh) / job.seconds if job.seconds > 0 else 0.0,

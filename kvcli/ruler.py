@@ -27,10 +27,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from kvcli.errors import KvcliError, UsageError
+from kvcli.identity import as_json, first_difference
 from kvcli.needle import (
     SENTENCE_END,
-    _first_difference,
-    as_json,
     excerpt_offset,
     is_correct,
     wilson_interval,
@@ -451,7 +450,7 @@ class RulerLog:
         done: dict[tuple, Trial] = {}
         for number, row in enumerate(self.log.start(self.resume, required="task"), start=1):
             where = f"{self.FLAG} {self.log.path} line {number}"
-            differs = _first_difference(row.get("run"), self.run)
+            differs = first_difference(row.get("run"), self.run)
             if differs is not None:
                 raise KvcliError(f"{where} is a trial of another run ({differs}): choose another {self.FLAG} file, "
                                  "or run without --resume to start over")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcli.documents import Document
-from kvcli.errors import KvcliError
+from kvcli.errors import EmptyDocumentError
 
 # A tokenizer only sees text up to the end of the current buffer, so the last few tokens it
 # produces may change once more text arrives (a word or a whitespace run can continue).  A
@@ -58,7 +58,7 @@ def iter_tokens(doc: Document, tokenizer: Any, *, add_special_tokens: bool = Tru
     failing that, any token boundary, so that memory stays bounded at a small risk of a
     different token there.  A tokenizer without offsets (a "slow" one) gets the whole text.
 
-    Raises :class:`KvcliError` if the document has nothing but whitespace.
+    Raises :class:`EmptyDocumentError` if the document has nothing but whitespace.
     """
     if not getattr(tokenizer, "is_fast", False):
         yield from _iter_tokens_whole(doc, tokenizer, add_special_tokens)
@@ -86,7 +86,7 @@ def iter_tokens(doc: Document, tokenizer: Any, *, add_special_tokens: bool = Tru
         buffer = buffer[context_start:]
         emitted = end - context_start
     if not has_text:
-        raise KvcliError(f"input is empty: {doc.name}")
+        raise EmptyDocumentError(doc.name)
     ids, offsets = _encode(tokenizer, buffer)
     first = _first_new_token(offsets, emitted, tokenizer)
     yield TokenChunk(leading + ids[first:] + trailing, _utf8_len(buffer[emitted:]))
@@ -95,7 +95,7 @@ def iter_tokens(doc: Document, tokenizer: Any, *, add_special_tokens: bool = Tru
 def _iter_tokens_whole(doc: Document, tokenizer: Any, add_special_tokens: bool) -> Iterator[TokenChunk]:
     text = "".join(doc.read_chunks())
     if not text.strip():
-        raise KvcliError(f"input is empty: {doc.name}")
+        raise EmptyDocumentError(doc.name)
     ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
     yield TokenChunk(list(ids), _utf8_len(text))
 

@@ -86,6 +86,8 @@ def test_ppl_rows_are_the_documents_of_the_json(invoke, tiny_model_dir, tmp_path
     data = json.loads(result.stdout)
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     assert [row["document"] for row in rows] == [str(p) for p in sorted(folder.glob("*.txt"))]
+    # Each line is the document's row and the settings that made it (what --resume checks).
+    assert all(row.pop("run")["method"] == "streamingllm" for row in rows)
     assert rows == [{k: v for k, v in doc.items() if k != "name"} for doc in data["documents"]]
     assert data["job"]["documents"] == 3 and data["job"]["resumed"] == 0 and data["job"]["documents_per_second"] > 0
 

@@ -78,7 +78,7 @@ def test_mismatched_references_are_refused_with_one_line(invoke, tiny_model_dir,
         ([folder, "--stream", "--kl-base", ref], "another token stream"),  # other protocol: b's first token scored
         ([folder, "--kl-base", ref, "--max-tokens", "100000"], "is more than the"),
         ([folder, "--logits-top-k", "8"], "--logits-top-k goes with --save-logits"),
-        ([folder, "--kl-base", ref, "--save-logits", ref], "would overwrite"),
+        ([folder, "--kl-base", ref, "--save-logits", ref], "never replaces an input"),
         ([folder, "--kl-base", book], "not a reference saved with --save-logits"),
         ([folder, "--kl-base", tmp_path / "missing"], "cannot read"),
     ]

@@ -562,5 +562,6 @@ def test_calibrate_and_adapt_commands_on_the_tiny_model(invoke, tmp_path, tiny_m
     assert scored.exit_code == 0, scored.stderr
     report = json.loads(scored.stdout)
     assert report["cache"] is None and report["kv_cache_bytes"] < report["full_kv_cache_bytes"]
-    bad = invoke("adapt", "--model", tiny_model_dir, "--data", book, "--tokens", 128, "--out", out, "--quiet")
+    bad = invoke("adapt", "--model", tiny_model_dir, "--data", book, "--tokens", 128, "--seq-len", 64, "--sinks", 2,
+                 "--recent", 8, "--out", out, "--quiet")
     assert bad.exit_code != 0 and "ships no PoD groups" in bad.stderr

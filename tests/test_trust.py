@@ -377,7 +377,7 @@ def test_a_held_checkpoint_folder_or_adapt_out_is_refused_at_once(invoke, tiny_m
         other.flush()
         line = one_line(invoke(*ppl("/no/such/model", book, "--checkpoint", folder)), 1)
         assert "in use by another kvcli run (process 4242)" in line  # refused at once, before loading a model
-        line = one_line(invoke("adapt", "--model", "/no/such/model", "--data", book, "--tokens", 128, "--out",
+        line = one_line(invoke("adapt", "--model", "/no/such/model", "--data", book, "--tokens", 2048, "--out",
                                folder, "--quiet"), 1)
         assert "--out" in line and "in use" in line
     # A lock file left by a killed run (no process holds it) does not stop the next run.
@@ -553,7 +553,7 @@ def test_outputs_that_cannot_be_written_are_one_line_before_any_model_loads(invo
                  ["ppl", book, "--save-logits", readonly / "f.kvlogits"],
                  ["ppl", book, "--checkpoint", readonly / "ckpt"],
                  ["calibrate", book, "--out", readonly / "g.json"], ["analyze", book, "--out", readonly / "a"],
-                 ["adapt", "--data", book, "--tokens", "128", "--out", readonly / "adapted"]):
+                 ["adapt", "--data", book, "--tokens", "2048", "--out", readonly / "adapted"]):
         line = one_line(invoke(*args, "--model", "/no/such/model", "--quiet"), 1)  # the model is never reached
         assert str(readonly) in line and "no such file or folder" not in line, line
 

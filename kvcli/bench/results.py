@@ -51,6 +51,10 @@ def load_results(out_dir: Path) -> dict:
         raise KvcliError(f"{path} is not a kvcli bench results file ({exc}); choose another --out") from None
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         raise KvcliError(f"{path} is not a kvcli bench results file (no list of runs); choose another --out")
+    for number, run in enumerate(data["runs"], start=1):
+        if not isinstance(run, dict):
+            raise KvcliError(f"{path} is not a kvcli bench results file (run {number} is {json.dumps(run)[:40]}, "
+                             "not an object); choose another --out")
     return data
 
 

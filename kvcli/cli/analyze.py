@@ -58,6 +58,7 @@ def analyze(
     if not 0.0 <= threshold <= 1.0:
         raise UsageError(f"--threshold must be between 0 and 1, not {threshold}")
     method_objs = {name: build_method(name, None, cache) for name in split_list(methods, str, "--methods")}
+    setup.check_outputs({"--out": out}, source, folders=("--out",))
     check_output(out, "--out", folder=True)  # before the analysis, not after
     documents = setup.documents(source)
     loaded = setup.load()

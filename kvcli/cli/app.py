@@ -17,20 +17,45 @@ from typer.core import TyperGroup
 from kvcli.cli import analyze, bench, cache, listing, needle, perplexity, pod, reading, ruler, speed
 from kvcli.errors import BudgetError, KvcliError, UsageError
 
+#: click's usage error as this Typer has it (its own copy of click in recent versions, click itself before):
+#: what parsing raises for an unknown command or option, a missing argument or a value of the wrong type.
+ClickUsageError = typer.BadParameter.__bases__[0]
+
 
 class KvcliGroup(TyperGroup):
     """Turns the user's mistakes into one line on stderr and an exit code, inside the app itself, so
-    the console script and an in-process runner (tests, notebooks) behave the same."""
+    the console script and an in-process runner (tests, notebooks) behave the same.
+
+    Typer's own usage errors (``kvcli bogus``, ``--cache abc``, a missing argument) would be a box of
+    four to six lines; they are one line here too, ending with where the help is.
+    """
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except ClickUsageError as exc:  # an option of kvcli itself (``kvcli --bogus``): no context to exit through
+            click.echo(f"kvcli: error: {_usage_message(exc, info_name or 'kvcli')}", err=True)
+            raise typer.Exit(2) from None
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except ClickUsageError as exc:
+            _fail(ctx, _usage_message(exc, ctx.command_path), 2)
         except BudgetError as exc:  # every command sets the budget with --cache
             _fail(ctx, exc.for_flag("--cache"), 2)
         except UsageError as exc:
             _fail(ctx, str(exc), 2)
         except KvcliError as exc:
             _fail(ctx, str(exc), 1)
+
+
+def _usage_message(exc, command_path: str) -> str:
+    """A usage error of Typer's as kvcli's one line: the message, then which help to read (the command's, else
+    ``command_path``'s)."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    where = exc.ctx.command_path if exc.ctx is not None else command_path
+    return f"{message[:1].lower()}{message[1:]} (see '{where} --help')"
 
 
 def _fail(ctx: click.Context, message: str, code: int) -> None:

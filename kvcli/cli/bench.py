@@ -29,6 +29,7 @@ from kvcli.cli.options import (
 
 @with_setup
 def bench(
+    ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="A text file, a folder of .txt files, - for stdin, or pg19; all "
                                           "documents are read as one stream.")],
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods to compare (see `kvcli "
@@ -68,6 +69,10 @@ def bench(
     block_size = parse_block(block)
     bits = [parse_kv_bits(item) for item in split_list(kv_bits, str, "--kv-bits")]
     specs = plan_grid(method_list, budgets, method_options(list(dict.fromkeys(method_list)), option), bits)
+    setup.check_outputs({"--out": out}, source, data_dir=data_dir, folders=("--out",))
+    from kvcli.outputs import lock_folder
+
+    ctx.with_resource(lock_folder(out, "--out"))  # one run per folder: two would each keep only their own runs
     check_out_dir(out)
     documents = setup.documents(source, data_dir)
     loaded = setup.load()

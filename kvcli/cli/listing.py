@@ -24,9 +24,9 @@ def presets(json_out: Annotated[bool, typer.Option("--json", help="A JSON list o
     """List the presets (built-in and in the user folder) that --preset NAME accepts."""
     from kvcli.cli.render import presets_listing
     from kvcli.presets import list_presets, user_dir
-    from kvcli.report import dumps, print_result
+    from kvcli.report import dumps, print_result, warn
 
-    found = list_presets()
+    found = list_presets(warn)
     print_result(dumps([p.as_dict() for p in found]) if json_out else presets_listing(found, user_dir()))
 
 

@@ -15,6 +15,7 @@ from kvcli.cli.options import (
     Setup,
     check_at_least,
     check_cache,
+    check_seed,
     method_options,
     parse_kv_bits,
     parse_read_block,
@@ -37,6 +38,7 @@ def _length(item: str) -> int:
 
 @with_setup
 def needle(
+    ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="A book (text file, folder or -) to cut the haystacks from.")],
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods to compare.")] = "full,snapkv",
     lengths: Annotated[str, typer.Option("--lengths", help="Comma-separated haystack lengths in tokens "
@@ -97,13 +99,18 @@ def needle(
     block_size = parse_read_block(block)
     bits = parse_kv_bits(kv_bits)
     check_cache(cache)
+    check_seed(seed)
     per_method = method_options(method_list, option)
-    if plots:
-        check_output(out, "--out", folder=True)  # before the grid, not after it
     if resume and rows is None:
         raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")
+    setup.check_outputs({"--out": out if plots else None, "--rows": rows}, source, folders=("--out",))
+    if plots:
+        check_output(out, "--out", folder=True)  # before the grid, not after it
     if rows is not None:
+        from kvcli.paths import hold_file
+
         check_output(rows, "--rows")  # before the model loads
+        ctx.with_resource(hold_file(rows, "--rows"))  # one run per rows file, until the command ends
     documents = setup.documents(source)
     loaded = setup.load()
     tokens = book_tokens(documents, loaded.tokenizer, max(length_list) * trials)

@@ -78,6 +78,9 @@ class Setup:
     encoding: str | None = None
     quiet: bool = False
 
+    def __post_init__(self) -> None:
+        check_device(self.device)  # here, so that a preset's device is checked too
+
     def say(self, message: str) -> None:
         """A warning on stderr, unless ``--quiet``."""
         if not self.quiet:
@@ -91,6 +94,19 @@ class Setup:
             from kvcli.report import stderr_console
 
             stderr_console.print(message, markup=False, highlight=False)
+
+    def check_outputs(self, outputs: dict[str, Path | None], source: str | None = None, *,
+                      data_dir: Path | None = None, folders: tuple[str, ...] = (),
+                      inputs: tuple[tuple[str, Path | str | None], ...] = ()) -> None:
+        """Refuse, before anything is opened, an output (flag -> path; ``folders`` names the flags that are
+        folders) that would write over SOURCE, the model or one of ``inputs`` ((what, path) pairs)
+        (:func:`kvcli.paths.check_apart`)."""
+        from kvcli.paths import Input, Output, check_apart, model_inputs, source_inputs
+
+        given = [*source_inputs(source or "-", data_dir), *model_inputs(self.model)]
+        given += [Input(what, Path(path)) for what, path in inputs if path is not None]
+        check_apart([Output(flag, Path(path), flag in folders) for flag, path in outputs.items() if path is not None],
+                    given)
 
     def documents(self, source: str, data_dir: Path | None = None) -> list:
         """SOURCE as documents, checked before any model loads."""
@@ -215,11 +231,28 @@ def resolve_block(block: int | None, loaded) -> int:
     return block if block is not None else default_block(loaded.device)
 
 
+def check_device(device: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N, the devices kvcli runs on (torch knows more: meta, mps, xla...,
+    where kvcli's kernels do not run), checked before any model loads."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise UsageError(f"--device {device!r}: choose auto, cpu, cuda or cuda:N")
+    return device
+
+
+#: The most tokens a count of tokens may ask for (``--cache``, ``--max-tokens``...): far beyond any memory, and
+#: within what torch's 64-bit indices take after the arithmetic on them.
+MAX_TOKENS = 2**40
+
+
 def check_cache(cache: int) -> None:
     if cache < 1:
         raise UsageError(f"--cache must be a positive number of tokens, not {cache}")
+    check_at_most(MAX_TOKENS, cache=cache)
 
 
+#: The most bytes a size may ask for (an exabyte): beyond it a float is no longer an exact count, and 10**400
+#: is no longer a float at all.
+MAX_BYTES = 10**18
 _BYTE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
                "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
@@ -230,10 +263,12 @@ def parse_bytes(text: str, flag: str) -> int:
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in _BYTE_UNITS:
         raise UsageError(f"{flag} {text!r}: expected bytes, e.g. 47185920, 45MiB or 1.5GB")
-    value = int(float(match.group(1)) * _BYTE_UNITS[unit])
+    value = float(match.group(1)) * _BYTE_UNITS[unit]
+    if value > MAX_BYTES:
+        raise UsageError(f"{flag} {text.strip()[:40]!r} is more than any memory (at most {MAX_BYTES:,} bytes)")
     if value < 1:
         raise UsageError(f"{flag} must be at least 1 byte, not {text!r}")
-    return value
+    return int(value)
 
 
 def parse_kv_bits(text: str | int, flag: str = "--kv-bits") -> int:
@@ -249,10 +284,25 @@ def parse_kv_bits(text: str | int, flag: str = "--kv-bits") -> int:
 
 
 def check_at_least(minimum: int, **values: int | None) -> None:
-    """``--name`` must be at least ``minimum`` for every given value that is not None."""
+    """``--name`` must be at least ``minimum`` (and at most :data:`MAX_TOKENS`) for every given value that is
+    not None."""
     for name, value in values.items():
         if value is not None and value < minimum:
             raise UsageError(f"--{name.replace('_', '-')} must be at least {minimum}, not {value}")
+    check_at_most(MAX_TOKENS, **values)
+
+
+def check_seed(seed: int) -> None:
+    """``--seed``: what a torch generator takes (a 64-bit integer, signed or not)."""
+    if not -(2**63) <= seed < 2**64:
+        raise UsageError(f"--seed must be an integer from -2**63 to 2**64 - 1, not {seed}")
+
+
+def check_at_most(maximum: int, **values: int | None) -> None:
+    """``--name`` must be at most ``maximum`` for every given value that is not None."""
+    for name, value in values.items():
+        if value is not None and value > maximum:
+            raise UsageError(f"--{name.replace('_', '-')} must be at most {maximum:,}, not {value}")
 
 
 def build_method(name: str, options: dict[str, str] | list[str] | None, cache: int):

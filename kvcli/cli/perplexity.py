@@ -92,7 +92,7 @@ def ppl(
     from kvcli.methods import make_method
     from kvcli.outputs import check_output
 
-    check_at_least(1, max_tokens=max_tokens)
+    check_at_least(1, max_tokens=max_tokens, logits_top_k=logits_top_k, context=context)
     block_size = parse_block(block)
     bits = parse_kv_bits(kv_bits)
     if checkpoint is not None:
@@ -117,8 +117,6 @@ def ppl(
         raise UsageError("--jsonl cannot continue the per-block curve of a resumed stream: leave it out")
     if logits_top_k is not None and save_logits is None:
         raise UsageError("--logits-top-k goes with --save-logits")
-    if save_logits is not None and kl_base is not None and save_logits.resolve() == kl_base.resolve():
-        raise UsageError("--save-logits would overwrite the --kl-base reference: give another file")
     if (save_logits is not None or kl_base is not None) and (resume or checkpoint is not None):
         raise UsageError("--save-logits and --kl-base follow one uninterrupted run token by token: leave out "
                          "--resume and --checkpoint")
@@ -135,9 +133,15 @@ def ppl(
         raise UsageError(f"{flag} needs one process: several ranks share whole documents")
     nbytes = parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None
     method_obj = build_method(method, option, cache) if nbytes is None else make_method(method, parse_options(option))
+    setup.check_outputs({"--jsonl": jsonl, "--rows": rows, "--save-logits": save_logits, "--checkpoint": checkpoint},
+                        source, data_dir=data_dir, folders=("--checkpoint",), inputs=(("--kl-base", kl_base),))
     for path, flag in ((jsonl, "--jsonl"), (rows, "--rows"), (save_logits, "--save-logits")):
         if path is not None:
             check_output(path, flag)
+    if rows is not None and ranks.main:  # one run per rows file, until the command ends
+        from kvcli.paths import hold_file
+
+        ctx.with_resource(hold_file(rows, "--rows"))
     if checkpoint is not None:
         # The folder is this run's until the command ends (its context closes it then, however it ends),
         # and is checked before the model loads.
@@ -148,6 +152,7 @@ def ppl(
         claim(checkpoint, resume, overwrite)
     from kvcli.checkpoint import Checkpointer, identity
     from kvcli.cli.render import ppl_summary
+    from kvcli.identity import rows_identity
     from kvcli.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter, Reference
     from kvcli.outputs import SideFailures, open_output
     from kvcli.perplexity import PerplexityRun, evaluate
@@ -157,8 +162,10 @@ def ppl(
     # printed first, then one line says which file is incomplete (kvcli.outputs.SideFailures).
     reference = Reference(kl_base) if kl_base is not None else None
     if reference is not None:
+        ctx.call_on_close(reference.close)  # read to the end when fewer tokens are compared (KLMeter.finish)
         if max_tokens is not None and max_tokens > reference.tokens:
             raise UsageError(f"--max-tokens {max_tokens:,} is more than the {reference.tokens:,} tokens of {kl_base}")
+        asked = max_tokens  # fewer tokens than the reference holds compare over its first ones
         max_tokens = max_tokens or reference.tokens  # the reference's tokens unless fewer are asked for
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
@@ -174,9 +181,10 @@ def ppl(
     meter = None
     if reference is not None:
         reference.check_model(loaded.name, vocab)
-        meter = KLMeter(reference)
+        meter = KLMeter(reference, asked)
     failures = SideFailures()
-    writer = LogitsWriter(save_logits, loaded.name, vocab, logits_top_k or DEFAULT_TOP_K) if save_logits else None
+    top_k = DEFAULT_TOP_K if logits_top_k is None else logits_top_k
+    writer = LogitsWriter(save_logits, loaded.name, vocab, top_k) if save_logits else None
     hooks = [hook.add for hook in (writer, meter) if hook is not None]
 
     def on_logits(logprobs, targets) -> None:
@@ -220,7 +228,10 @@ def ppl(
                                                    context=context, stride=stride, on_block=on_block,
                                                    rows_path=rows, resume=resume, ranks=ranks,
                                                    on_document=on_document, checkpoint=saver,
-                                                   on_logits=on_logits if hooks else None, failures=failures)
+                                                   on_logits=on_logits if hooks else None, failures=failures,
+                                                   rows_identity=rows_identity("ppl", **identity(loaded, engine),
+                                                                               kv_bits=bits, context=context,
+                                                                               stride=stride))
         finished = True
     finally:
         if jsonl_file:
@@ -235,8 +246,6 @@ def ppl(
                 failures.oserror("--save-logits", save_logits, exc)
                 writer.abort()
                 writer = None
-        if reference is not None:
-            reference.close()
         ranks.close()
     if not ranks.main:  # rank 0 prints the whole job's result
         failures.check()

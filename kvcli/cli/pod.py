@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from kvcli.cli.options import Setup, with_setup
+from kvcli.cli.options import Setup, check_seed, with_setup
 from kvcli.errors import UsageError
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")]
@@ -45,6 +45,8 @@ def calibrate(
     from kvcli.outputs import check_output
     from kvcli.report import dumps, print_result
 
+    check_seed(seed)
+    setup.check_outputs({"--out": out}, source)
     check_output(out, "--out")  # before minutes of calibration, not after
     documents = setup.documents(source)
     loaded = setup.load()
@@ -88,6 +90,7 @@ def adapt(
 ) -> None:
     """PoD's light post-training (section 2.2): fine-tune with PoD attention active, save an HF folder."""
     from kvcli.adapt import adapt as run_adapt
+    from kvcli.adapt import check_settings
     from kvcli.models import discard
     from kvcli.outputs import lock_folder
     from kvcli.pod.groups import resolve
@@ -95,6 +98,9 @@ def adapt(
 
     if save_every < 0:
         raise UsageError(f"--save-every must be >= 0, not {save_every}")
+    check_settings(tokens=tokens, seq_len=seq_len, lr=lr, sinks=sinks, recent=recent)
+    setup.check_outputs({"--out": out}, data, folders=("--out",),
+                        inputs=(("--groups", None if groups == "auto" else groups),))
     with lock_folder(out, "--out"):  # checked and held before the model loads: a second run is refused at once
         documents = setup.documents(data)
         loaded = setup.load()

@@ -7,6 +7,7 @@ the generated text to stdout as it is produced (statistics to stderr).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -24,6 +25,7 @@ from kvcli.cli.options import (
     Setup,
     build_method,
     check_at_least,
+    check_seed,
     explicit,
     join_ranks,
     keyword,
@@ -39,8 +41,8 @@ from kvcli.recap import RECAP_TOKENS
 SourceArg = Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text; one by "
                                           "one with --each), or - for stdin.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Stop after generating this many tokens.")]
-TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy; above 0, sample from the "
-                                               "softmax at this temperature.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy; from 0.0001 up, sample "
+                                               "from the softmax at this temperature.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the sampler (--temperature > 0).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout instead of "
                                        "streaming the text.")]
@@ -62,6 +64,18 @@ RecapOpt = Annotated[int, typer.Option("--recap", help="A document streamed with
                                        "0 = off; no effect on one-shot reads or on methods that score nothing.")]
 AnswerPrefixOpt = Annotated[str, typer.Option("--answer-prefix", help="Start the answer with this text (e.g. "
                                               "'The answer is'); the model continues it.")]
+
+
+#: The lowest temperature sampled at: below it ``logits / temperature`` overflows float32 into inf and NaN, and
+#: long before that the draw is the greedy choice anyway.
+MIN_TEMPERATURE = 1e-4
+
+
+def check_temperature(temperature: float) -> None:
+    """``--temperature``: 0 (greedy) or a finite number from :data:`MIN_TEMPERATURE` up."""
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+        raise UsageError(f"--temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE}, "
+                         f"not {temperature}")
 
 
 def check_recap(tokens: int) -> None:
@@ -135,9 +149,11 @@ def apply_presets(ctx: typer.Context, specs: list[str] | None, setup: Setup, rea
                                       stop=list(dict.fromkeys([*merged.get("stop", []), *read.stop])))
 
 
-def read_and_write(ctx: typer.Context, command: str, source: str, instruction, setup: Setup, read: ReadOptions
-                   ) -> None:
-    """The shared body of ``summarize`` and ``ask``."""
+def read_and_write(ctx: typer.Context, command: str, source: str, instruction, setup: Setup, read: ReadOptions,
+                   about: dict) -> None:
+    """The shared body of ``summarize`` and ``ask``; ``about`` is what the user asked (the question, the prompt
+    or template), recorded in every row of ``--rows``."""
+    from kvcli.checkpoint import identity
     from kvcli.cli.render import reading_summary
     from kvcli.generate import Reader, document_tokens
     from kvcli.prompts import build_prompt, stop_token_ids
@@ -156,8 +172,8 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     check_recap(read.recap)
     block_size = parse_read_block(read.block)
     bits = parse_kv_bits(read.kv_bits)
-    if read.temperature < 0:
-        raise UsageError(f"--temperature must not be negative, not {read.temperature}")
+    check_temperature(read.temperature)
+    check_seed(read.seed)
     method_obj = build_method(read.method, read.options, read.cache)
     if not read.each and (read.rows is not None or read.resume):
         raise UsageError(f"{'--rows' if read.rows is not None else '--resume'} goes with --each (one row per document)")
@@ -168,10 +184,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     ranks, setup = join_ranks(setup)
     if ranks.distributed and not read.each:
         raise UsageError("several ranks share the documents of a folder: add --each")
-    if read.rows is not None:
-        from kvcli.outputs import check_output
-
-        check_output(read.rows, "--rows")
+    claim_rows(ctx, source, setup, read, ranks.main)
     documents = setup.documents(source)
     loaded = setup.load()
     tokenizer = loaded.tokenizer
@@ -180,7 +193,11 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
                     temperature=read.temperature, seed=read.seed, recap=read.recap)
     if read.each:
-        each_document(command, documents, reader, parts, instruction, setup, read, ranks)
+        settings = {**about, **identity(loaded, engine), "kv_bits": bits, "instruction": instruction.text,
+                    "cue": instruction.cue, "answer_prefix": instruction.answer_prefix, "chat_template": parts.chat,
+                    "max_new_tokens": read.max_new_tokens, "temperature": read.temperature, "seed": read.seed,
+                    "one_shot": read.one_shot, "probe": read.probe, "recap": read.recap, "stop": read.stop}
+        each_document(command, documents, reader, parts, instruction, setup, read, ranks, settings)
         return
     out = None if read.json_out else StdoutStream()
     reset_peak_memory(loaded.device)
@@ -229,11 +246,30 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
         raise typer.Exit(130)
 
 
+def claim_rows(ctx: typer.Context, source: str, setup: Setup, read: ReadOptions, main: bool) -> None:
+    """Before anything is opened: ``--rows`` apart from every input (the source, the model, the presets), writable,
+    and held by this run (rank 0 of several) until the command ends."""
+    from kvcli.presets import find_preset
+
+    setup.check_outputs({"--rows": read.rows}, source,
+                        inputs=tuple(("--preset", find_preset(spec).path) for spec in read.presets))
+    if read.rows is None:
+        return
+    from kvcli.outputs import check_output
+    from kvcli.paths import hold_file
+
+    check_output(read.rows, "--rows")
+    if main:
+        ctx.with_resource(hold_file(read.rows, "--rows"))
+
+
 def each_document(command: str, documents: list, reader, parts, instruction, setup: Setup, read: ReadOptions,
-                  ranks) -> None:
-    """``--each``: every document read with a fresh cache and written about; one JSON row per document."""
+                  ranks, settings: dict) -> None:
+    """``--each``: every document read with a fresh cache and written about; one JSON row per document, which
+    records ``settings`` (what made it) in ``--rows``."""
     from kvcli.corpus import run_corpus
     from kvcli.generate import document_tokens
+    from kvcli.identity import rows_identity
     from kvcli.report import DocumentProgress, dumps, print_result, stderr_console
 
     tokenizer = reader.tokenizer
@@ -258,7 +294,8 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
     try:
         with progress:
             job = run_corpus(documents, process, rows_path=read.rows, resume=read.resume, ranks=ranks,
-                             on_row=show if to_stdout and not ranks.distributed else None)
+                             on_row=show if to_stdout and not ranks.distributed else None,
+                             identity=rows_identity(command, **settings), warn=setup.say)
     finally:
         ranks.close()
     if not ranks.main:
@@ -267,7 +304,7 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
         for row in job.rows:
             show(row)
     fresh = [row for row, new in zip(job.rows, job.new, strict=True) if new]
-    tokens = sum(row["prompt_tokens"] + row["generated_tokens"] for row in fresh)
+    tokens = sum(row.get("prompt_tokens", 0) + row.get("generated_tokens", 0) for row in fresh)
     if not setup.quiet:
         seconds = max(job.seconds, 1e-9)
         stderr_console.print(f"{command}: {len(fresh):,} documents ({job.resumed:,} resumed) on {ranks.world_size} "
@@ -305,7 +342,8 @@ def summarize(
         if name not in TEMPLATES:
             raise UsageError(f"unknown --template {name!r}; choose one of: {', '.join(TEMPLATES)}")
         instruction = dataclasses.replace(TEMPLATES[name], answer_prefix=read.answer_prefix)
-    read_and_write(ctx, "summarize", source, instruction, setup, read)
+    read_and_write(ctx, "summarize", source, instruction, setup, read,
+                   {"prompt": prompt} if prompt is not None else {"template": template or "summary"})
 
 
 @with_reading(max_new_tokens=128, recap=RECAP_TOKENS)
@@ -327,4 +365,5 @@ def ask(
 
     if not question.strip():
         raise UsageError("the question is empty")
-    read_and_write(ctx, "ask", source, question_instruction(question, read.answer_prefix), setup, read)
+    read_and_write(ctx, "ask", source, question_instruction(question, read.answer_prefix), setup, read,
+                   {"question": question})

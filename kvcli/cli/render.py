@@ -52,7 +52,10 @@ def ppl_summary(result: dict) -> str:
     if "saved_logits" in result:
         lines.append(f"reference saved to {result['saved_logits']}")
     for row in result.get("documents", []):
-        lines.append(f"  {row['name']}: ppl {row['ppl']:.3f} over {row['tokens']:,} tokens")
+        if "skipped" in row:
+            lines.append(f"  {row['name']}: skipped ({row['skipped']})")
+        else:
+            lines.append(f"  {row['name']}: ppl {row['ppl']:.3f} over {row['tokens']:,} tokens")
     return "\n".join(lines)
 
 

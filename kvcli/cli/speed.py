@@ -20,11 +20,13 @@ from kvcli.cli.options import (
     build_method,
     check_at_least,
     check_cache,
+    check_device,
+    check_seed,
     method_options,
     parse_block,
     split_list,
 )
-from kvcli.errors import UsageError
+from kvcli.errors import KvcliError, UsageError
 
 
 def bench_speed(
@@ -65,6 +67,8 @@ def bench_speed(
 
     if shape not in SHAPES:
         raise UsageError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    check_device(device)
+    check_seed(seed)
     check_cache(cache)
     check_at_least(1, tokens=tokens, matmul_size=matmul_size)
     check_at_least(0, decode=decode)
@@ -83,7 +87,18 @@ def bench_speed(
         if not quiet:
             stderr_console.print(message, markup=False, highlight=False)
 
-    result = run_speed(shape, built, cache=cache, block=block_size, tokens=tokens, device=torch_device,
-                       dtype=torch_dtype, matmul_size=matmul_size, seed=seed, decode=decode,
-                       compile_decode=compile_decode, note=note)
+    import torch
+
+    try:
+        result = run_speed(shape, built, cache=cache, block=block_size, tokens=tokens, device=torch_device,
+                           dtype=torch_dtype, matmul_size=matmul_size, seed=seed, decode=decode,
+                           compile_decode=compile_decode, note=note)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+        # The sizes asked for (a shape, --matmul-size, --tokens) are the user's to lower; any other failure is a bug.
+        if not isinstance(exc, torch.OutOfMemoryError | MemoryError) and "allocate" not in str(exc):
+            raise
+        why = " ".join(str(exc).split())
+        why = why[why.find("can't allocate"):] if "can't allocate" in why else why[:160]
+        raise KvcliError(f"out of memory on {torch_device} ({why}): lower --matmul-size, --tokens or --cache, or "
+                         "choose a smaller --shape") from None
     print_result(dumps(result) if json_out else speed_table(result))

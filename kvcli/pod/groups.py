@@ -230,7 +230,8 @@ def check_groups(groups, layers: int, kv_heads: int) -> None:
         raise UsageError(f"groups must list the blocks of each of the {kv_heads} KV heads (found {count})")
     for head, blocks in enumerate(groups):
         flat = [layer for block in blocks for layer in (block if isinstance(block, list) else [None])]
-        if not blocks or any(not block for block in blocks) or flat != list(range(layers)):
+        # The length first: a file's "layers" may be absurd (10**13), and the list of them is never built then.
+        if not blocks or any(not block for block in blocks) or len(flat) != layers or flat != list(range(layers)):
             raise UsageError(f"groups of KV head {head} must be consecutive layer blocks covering 0..{layers - 1} "
                              "in order")
 

@@ -13,6 +13,7 @@ Keys: ``model``, ``dtype``, ``device`` and ``stop`` (a list of strings) describe
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,8 @@ def parse(path: Path, name: str | None = None, source: str = "file") -> Preset:
         raise UsageError(f"cannot read preset {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"preset {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 text
+        raise UsageError(f"preset {path} is not valid TOML: not UTF-8 text (byte {exc.start})") from None
     known = {**MODEL_KEYS, **METHOD_KEYS, **OTHER_KEYS}
     for key, value in settings.items():
         if key not in known:
@@ -87,16 +90,25 @@ def parse(path: Path, name: str | None = None, source: str = "file") -> Preset:
     return Preset(name or path.stem, kind, path, source, settings)
 
 
-def list_presets() -> list[Preset]:
-    """Every preset reachable by name, sorted; a user preset hides a built-in one of the same name."""
-    found: dict[str, Preset] = {}
+def list_presets(warn: Callable[[str], None] | None = None) -> list[Preset]:
+    """Every preset reachable by name, sorted; a user preset hides a built-in one of the same name.
+
+    A file that is no preset (not TOML, an unknown key) is left out, after one line to ``warn``: one broken
+    file in the user's folder must not break every listing (``--preset`` with its name still says why)."""
+    found: dict[str, Preset | None] = {}
     for folder, source in search_path():
         if not folder.is_dir():
             continue
         for path in sorted(folder.glob("*.toml")):
-            if path.stem not in found:
+            if path.stem in found:
+                continue
+            try:
                 found[path.stem] = parse(path, source=source)
-    return [found[name] for name in sorted(found)]
+            except UsageError as exc:
+                found[path.stem] = None  # still hides a built-in preset of its name, as find_preset does
+                if warn is not None:
+                    warn(f"{exc}: left out")
+    return [found[name] for name in sorted(found) if found[name] is not None]
 
 
 def find_preset(spec: str) -> Preset:
