@@ -13,11 +13,11 @@ LAYERS = {
     "cli": 4, "__main__": 4, "lm_eval": 4,
     "perplexity": 3, "kl": 3, "generate": 3, "needle": 3, "bench": 3, "analysis": 3, "adapt": 3, "corpus": 3,
     "checkpoint": 3, "needle_plot": 3, "recap": 3, "ruler": 3,
-    "models": 2, "text": 2, "documents": 2, "prompts": 2, "presets": 2,
+    "models": 2, "text": 2, "documents": 2, "prompts": 2, "presets": 2, "paths": 2,
     "engine": 1, "methods": 1, "pod": 1, "cache": 1, "attention": 1, "architecture": 1, "quant": 1,
     "streaming": 1, "compression": 1, "positions": 1, "joined": 1, "rope": 1, "decode": 1, "scores": 1,
     "report": 0, "plots": 0, "errors": 0, "outputs": 0, "statefile": 0, "distributed": 0, "__init__": 0,
-    "modelcache": 0, "lazy": 0,
+    "modelcache": 0, "lazy": 0, "identity": 0,
 }
 
 
