@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcli.errors import KvcliError
+from kvcli.outputs import atomic_write
 from kvcli.report import clean_json, dumps
 
 RESULTS_FILE = "results.json"
@@ -59,8 +60,8 @@ def load_results(out_dir: Path) -> dict:
 
 
 def save_results(out_dir: Path, results: dict) -> Path:
-    """Write ``results.json`` through a temporary file and ``os.replace``: Ctrl-C or a crash mid-write
-    leaves the previous complete file, never half of one.
+    """Write ``results.json`` at once (:func:`kvcli.outputs.atomic_write`: an exclusive temporary file renamed
+    over it): Ctrl-C or a crash mid-write leaves the previous complete file, never half of one.
 
     One line per run (curves included) keeps the file greppable and diffable without indenting every
     number of a curve onto its own line.
@@ -71,12 +72,7 @@ def save_results(out_dir: Path, results: dict) -> Path:
     fields = [f"{json.dumps(key)}: {dumps(value)}" for key, value in results.items() if key != "runs"]
     runs = ",\n".join(f"  {dumps(run)}" for run in results.get("runs", []))
     fields.append(f'"runs": [\n{runs}\n]')
-    tmp = path.with_name(f".{RESULTS_FILE}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text("{\n" + ",\n".join(fields) + "\n}\n", encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(path, ("{\n" + ",\n".join(fields) + "\n}\n").encode("utf-8"))
     return path
 
 
