@@ -114,6 +114,8 @@ class PodCache(KVCache):
 class PodLayer(CompressedLayer):
     """One layer's values (all heads), lead heads' keys (all tokens), other heads' proximal keys."""
 
+    channel_keys = False  # its keys are read rotated from their entry positions (_rotated), not current_keys
+
     owner: PodCache
 
     def __init__(self, owner: PodCache, layer_idx: int):
