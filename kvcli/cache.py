@@ -143,15 +143,11 @@ class CompressedLayer(CacheLayerMixin):
     def new_store(self, empty: torch.Tensor, keys: bool) -> torch.Tensor | QuantizedTokens:
         """Where this layer keeps keys (``keys``) or values: ``empty`` itself, or a packed store when the
         cache is quantized (:attr:`KVCache.kv_quant`): values rounded per token, keys the cache's key mode
-        (per channel only in a layer that reads its keys through :meth:`current_keys`, see :attr:`pre_rope`)."""
+        (per-channel keys are stored before RoPE, see :attr:`pre_rope`)."""
         quant = self.owner.kv_quant
         if quant is None:
             return empty
-        mode = quant.key_mode if keys and self.channel_keys else "token"
-        return QuantizedTokens(empty, quant, mode)
-
-    #: Whether this layer may round its keys per channel; such keys are stored before RoPE (:attr:`pre_rope`).
-    channel_keys = True
+        return QuantizedTokens(empty, quant, quant.key_mode if keys else "token")
 
     @property
     def pre_rope(self) -> bool:

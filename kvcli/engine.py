@@ -92,6 +92,16 @@ def default_block(device: torch.device | str) -> int:
     return DEFAULT_BLOCK.get(torch.device(device).type, DEFAULT_BLOCK["cpu"])
 
 
+def key_mode(method: Method, kv_bits: int, kv_keys: str | None) -> str | None:
+    """How ``method``'s cache rounds keys at ``kv_bits`` when asked for ``kv_keys``: None at 16 bits; always
+    per token for PoD, which reads its keys rotated from their entry positions (:meth:`PodCache.quantize`)."""
+    from kvcli.quant import KVQuant
+
+    if kv_bits == 16:
+        return None
+    return "token" if method.name == "pod" else KVQuant(kv_bits, keys=kv_keys).key_mode
+
+
 def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype: torch.dtype,
                      kv_bits: int = 16, kv_keys: str | None = None) -> int:
     """The budget (tokens per layer) that gives ``method`` a cache of at most ``nbytes`` bytes on ``model``.
@@ -104,7 +114,7 @@ def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype:
     from kvcli.quant import tokens_for_bytes
 
     per_token = kv_bytes_per_token(model, dtype)
-    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype, kv_keys)
+    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype, key_mode(method, kv_bits, kv_keys))
     if plain < 1:
         raise UsageError(f"{nbytes:,} bytes cannot hold one token per layer ({per_token:,} bytes per token)")
     return method.equal_bytes_budget(plain, model.config)
@@ -150,9 +160,7 @@ class Engine:
     @property
     def cache_key_mode(self) -> str | None:
         """How the cache rounds keys (``token`` or ``channel``); None at 16 bits."""
-        from kvcli.quant import KVQuant
-
-        return None if self.kv_bits == 16 else KVQuant(self.kv_bits, keys=self.kv_keys).key_mode
+        return key_mode(self.method, self.kv_bits, self.kv_keys)
 
     def new_cache(self) -> KVCache:
         cache = self.method.new_cache(self.model).quantize(self.kv_bits, self.kv_keys)

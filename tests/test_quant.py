@@ -251,6 +251,9 @@ def test_pod_takes_a_quantized_cache(select):
         totals[bits] = engine.score([ids])
     assert abs(totals[8].nll - totals[16].nll) < 0.02
     assert totals[8].kv_cache_bytes < 0.75 * totals[16].kv_cache_bytes
+    # PoD reads keys rotated from their entry positions: per-token keys even where 2 bits default to channels.
+    engine = Engine(model, make_method("pod", {"groups": groups}), 96, block=32, kv_bits=2, kv_keys="channel")
+    assert engine.cache_key_mode == "token" and engine.new_cache().kv_quant.key_mode == "token"
 
 
 @pytest.mark.parametrize("bits", [3, 0, 32, 1, True, "8"])
