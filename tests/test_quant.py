@@ -286,6 +286,16 @@ def test_cli_bad_kv_bits_is_one_line(tmp_path, command, value):
     assert result.stdout == ""
 
 
+def test_cli_bad_kv_keys_is_one_line(tmp_path):
+    book = tmp_path / "book.txt"
+    book.write_text("hello world\n")
+    result = subprocess.run([sys.executable, "-m", "kvcli", "ppl", str(book), "--kv-bits", "2", "--kv-keys", "chan"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "kvcli: error: --kv-keys must be auto, token or channel (how cached keys are rounded), not chan"]
+
+
 def test_bench_grid_has_kv_bits_as_an_axis_and_old_runs_are_16_bits():
     from kvcli.bench.grid import plan_grid
     from kvcli.bench.results import run_key
