@@ -112,7 +112,7 @@ class CompressedLayer(CacheLayerMixin):
             return keys, values
         positions, tokens = owner.new_entries(key_states.shape[1], key_states.shape[-2], self.device)
         if isinstance(self.keys, QuantizedTokens):
-            self.keys.append(key_states)
+            self.keys.append(rotate_keys(key_states, -positions, self.inv_freq) if self.pre_rope else key_states)
             self.values.append(value_states)
         else:
             # Keys that did not move are stored as attention reads them: one concatenation serves both.
@@ -142,9 +142,19 @@ class CompressedLayer(CacheLayerMixin):
     # --- kvcli ---------------------------------------------------------------------------------
     def new_store(self, empty: torch.Tensor, keys: bool) -> torch.Tensor | QuantizedTokens:
         """Where this layer keeps keys (``keys``) or values: ``empty`` itself, or a packed store when the
-        cache is quantized (:attr:`KVCache.kv_quant`)."""
+        cache is quantized (:attr:`KVCache.kv_quant`): values rounded per token, keys the cache's key mode
+        (per-channel keys are stored before RoPE, see :attr:`pre_rope`)."""
         quant = self.owner.kv_quant
-        return empty if quant is None else QuantizedTokens(empty, quant)
+        if quant is None:
+            return empty
+        return QuantizedTokens(empty, quant, quant.key_mode if keys else "token")
+
+    @property
+    def pre_rope(self) -> bool:
+        """Whether the cached keys are stored un-rotated (position 0), as per-channel rounding needs: a
+        channel's range before RoPE is stable across tokens, after it every pair spins with the position.
+        :meth:`current_keys` then rotates each key once, from 0 to its current position."""
+        return isinstance(self.keys, QuantizedTokens) and self.keys.mode == "channel"
 
     def current_positions(self, block_start: int) -> torch.Tensor:
         """Positions the cached tokens hold now, ending right before ``block_start``: ``[1, T]``, consecutive in
@@ -166,6 +176,9 @@ class CompressedLayer(CacheLayerMixin):
     def current_keys(self, block_start: int) -> torch.Tensor:
         """Cached keys rotated to their current positions (a no-op until an eviction moves them)."""
         keys = stored(self.keys)  # dequantized when the cache is quantized
+        if self.pre_rope:
+            moved = self.needs_rotation(block_start)
+            return rotate_keys(keys, self.current_positions(block_start) if moved else self.entry_pos, self.inv_freq)
         if not self.needs_rotation(block_start):
             return keys  # every key still sits where it entered
         joined = self.owner.rotated(self, block_start)  # rotated with other layers' at once (KVCache.plan_rotation)
@@ -363,11 +376,12 @@ class KVCache(Cache):
             for batch in batches([layer.keys.numel() + layer.values.numel() for layer, _ in pairs]):
                 _keep_joined([pairs[i] for i in batch])
 
-    def quantize(self, bits: int) -> KVCache:
-        """Store keys and values at ``bits`` bits from now on (16: the model's precision); before any token."""
+    def quantize(self, bits: int, keys: str | None = None) -> KVCache:
+        """Store keys and values at ``bits`` bits from now on (16: the model's precision), keys rounded the
+        ``keys`` way (None: :data:`kvcli.quant.DEFAULT_KEYS`); before any token."""
         if any(layer.is_initialized for layer in self.layers):
             raise RuntimeError("a cache is quantized before it holds any token")
-        self.kv_quant = None if bits == 16 else KVQuant(bits)
+        self.kv_quant = None if bits == 16 else KVQuant(bits, keys=keys)
         return self
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:

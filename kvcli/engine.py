@@ -92,19 +92,29 @@ def default_block(device: torch.device | str) -> int:
     return DEFAULT_BLOCK.get(torch.device(device).type, DEFAULT_BLOCK["cpu"])
 
 
+def key_mode(method: Method, kv_bits: int, kv_keys: str | None) -> str | None:
+    """How ``method``'s cache rounds keys at ``kv_bits`` when asked for ``kv_keys``: None at 16 bits; always
+    per token for PoD, which reads its keys rotated from their entry positions (:meth:`PodCache.quantize`)."""
+    from kvcli.quant import KVQuant
+
+    if kv_bits == 16:
+        return None
+    return "token" if method.name == "pod" else KVQuant(kv_bits, keys=kv_keys).key_mode
+
+
 def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype: torch.dtype,
-                     kv_bits: int = 16) -> int:
+                     kv_bits: int = 16, kv_keys: str | None = None) -> int:
     """The budget (tokens per layer) that gives ``method`` a cache of at most ``nbytes`` bytes on ``model``.
 
     A plain cache of B tokens per layer costs B times :func:`kv_bytes_per_token`; a method that stores
     fewer keys per token turns those bytes into more tokens (:meth:`Method.equal_bytes_budget`).
     At ``kv_bits`` below 16 a token costs its packed bytes, scales and zero points, and the full-precision
-    residual is paid for (:func:`kvcli.quant.tokens_for_bytes`).
+    residual is paid for (:func:`kvcli.quant.tokens_for_bytes`), keys rounded the ``kv_keys`` way.
     """
     from kvcli.quant import tokens_for_bytes
 
     per_token = kv_bytes_per_token(model, dtype)
-    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype)
+    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype, key_mode(method, kv_bits, kv_keys))
     if plain < 1:
         raise UsageError(f"{nbytes:,} bytes cannot hold one token per layer ({per_token:,} bytes per token)")
     return method.equal_bytes_budget(plain, model.config)
@@ -118,8 +128,8 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, method: Method, budget: int | None, block: int | None = None,
-                 warn: Callable[[str], None] | None = None, kv_bits: int = 16):
-        from kvcli.quant import check_kv_bits
+                 warn: Callable[[str], None] | None = None, kv_bits: int = 16, kv_keys: str | None = None):
+        from kvcli.quant import check_kv_bits, check_kv_keys
 
         self.device = next(model.parameters()).device
         if block is None:
@@ -130,6 +140,7 @@ class Engine:
         self.method = method
         self.block = block
         self.kv_bits = check_kv_bits(kv_bits, "kv_bits")  # bits per cached key and value element (kvcli.quant)
+        self.kv_keys = check_kv_keys(kv_keys, "kv_keys")  # keys rounded per token or channel (None: by bits)
         self.budget = check_budget(method, budget)
         self.architecture = describe(model)  # refuses a model whose positions cannot be re-assigned
         self.num_layers = model.config.num_hidden_layers
@@ -146,8 +157,13 @@ class Engine:
     def _layer_budgets(self) -> list[int | None] | None:
         return layer_budgets(self.method, self.architecture, self.budget, self.num_layers)
 
+    @property
+    def cache_key_mode(self) -> str | None:
+        """How the cache rounds keys (``token`` or ``channel``); None at 16 bits."""
+        return key_mode(self.method, self.kv_bits, self.kv_keys)
+
     def new_cache(self) -> KVCache:
-        cache = self.method.new_cache(self.model).quantize(self.kv_bits)
+        cache = self.method.new_cache(self.model).quantize(self.kv_bits, self.kv_keys)
         cache.heads_apart = self.heads_apart
         return cache
 

@@ -12,10 +12,12 @@ from kvcli.engine import Engine, budget_for_bytes
 from kvcli.errors import UsageError
 from kvcli.methods import make_method
 from kvcli.quant import (
+    FP16_MAX,
     KVQuant,
     QuantizedTokens,
     cache_bytes,
     check_kv_bits,
+    check_kv_keys,
     dequantize,
     pack,
     packed_width,
@@ -50,6 +52,28 @@ def test_rounding_error_is_within_half_a_step(bits):
     # Rounding a dequantized tensor again gives it back: tokens re-sealed after an eviction lose nothing.
     again = dequantize(*quantize(y, bits, 32), bits, 64, torch.float32)
     assert torch.allclose(again, y, atol=1e-2 * float(step.max()))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("offset", [1e3, -3e4, 6e4])
+def test_rounding_error_is_within_half_a_step_far_from_zero(bits, offset):
+    """The zero point is rounded down and the scale up to fp16, so large offsets keep the half-step bound."""
+    torch.manual_seed(1)
+    x = offset + torch.randn(3, 5, 64) * 4
+    packed, scale, zero = quantize(x, bits, 32)
+    y = dequantize(packed, scale, zero, bits, 64, torch.float32)
+    step = scale.float().repeat_interleave(32, dim=-1)
+    assert bool(torch.isfinite(scale).all() and torch.isfinite(zero).all())
+    assert bool(((y - x.clamp(max=FP16_MAX)).abs() <= step / 2 + 1e-6 * abs(offset)).all())
+
+
+def test_values_beyond_fp16_come_back_clamped_never_inf():
+    x = torch.tensor([[1e5, -2e5, 3.0, 0.0] * 8])
+    packed, scale, zero = quantize(x, 8, 32)
+    y = dequantize(packed, scale, zero, 8, 32, torch.float32)
+    assert bool(torch.isfinite(y).all()) and bool(torch.isfinite(scale).all())
+    # Every value within half a step of the input clamped to fp16's range: +-65,504 and 3.0 alike.
+    assert bool(((y - x.clamp(-FP16_MAX, FP16_MAX)).abs() <= float(scale[0, 0]) / 2 + 1e-2).all())
 
 
 def store(bits=4, tokens=40, heads=2, dim=16, residual=8, seed=0):
@@ -99,6 +123,74 @@ def test_bytes_count_packed_payload_scales_zeros_and_residual():
     assert quant.nbytes() == expected
     assert packed_width(64, 2) == 16 and KVQuant(4).token_bytes(64) == 32 + 4
     assert KVQuant(8).token_bytes(64) == 64 + 4 and KVQuant(2).token_bytes(64) == 16 + 8  # 2 bits: groups of 32
+
+
+def channel_store(bits=2, tokens=40, heads=2, dim=16, residual=8, sinks=4, seed=0):
+    torch.manual_seed(seed)
+    x = torch.randn(1, heads, tokens, dim) * torch.linspace(0.1, 5, dim) + torch.linspace(-20, 20, dim)
+    x[:, :, 0] *= 30  # a sink far outside the other tokens' ranges
+    quant = QuantizedTokens(x[:, :, :0], KVQuant(bits, residual=residual, keys="channel", sinks=sinks), "channel")
+    quant.append(x[:, :, :tokens // 2])
+    quant.append(x[:, :, tokens // 2:])
+    return x, quant
+
+
+def test_channel_keys_keep_sinks_and_residual_exact_and_fix_one_grid_per_channel():
+    x, quant = channel_store()
+    assert quant.shape == x.shape and quant.front.shape[2] == 4 and quant.sealed == 28
+    assert quant.scale.shape == (1, 2, 1, 16) and quant.scale.dtype == torch.float32
+    dense = quant.dense()
+    assert torch.equal(dense[:, :, :4], x[:, :, :4]) and torch.equal(dense[:, :, 32:], x[:, :, 32:])
+    # The grid came from the first tokens sealed (4..11: the first append sealed all but front and residual).
+    step = quant.scale
+    first = slice(4, 12)
+    assert bool(((dense[:, :, first] - x[:, :, first]).abs() <= step / 2 + 1e-5).all())
+    # Bytes: packed payload and the per-head grid, no per-token parameters.
+    assert quant.nbytes() == 2 * 28 * 4 + 2 * 2 * 16 * 4 + 2 * (4 + 8) * 16 * 4
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_channel_keys_evict_exactly_per_head(bits):
+    x, quant = channel_store(bits=bits)
+    before = quant.dense()
+    indices = torch.tensor([[1, 3, 5, 7, 9, 20, 33], [0, 2, 4, 6, 10, 30, 39]])  # head 0 drops its first sink
+    quant.gather(indices)
+    assert quant.sealed == 2  # 9 and 20, 10 and 30 stay packed; 7 and 6 join the front (dequantized)
+    expected = before.gather(2, indices[None, :, :, None].expand(1, 2, 7, x.shape[-1]))
+    assert quant.shape == (1, 2, 7, x.shape[-1]) and quant.front.shape[2] == 4
+    assert torch.allclose(quant.dense(), expected, atol=1e-5)
+    quant.append(x[:, :, :30])  # sealing after the eviction rounds on the same grid: a sealed token is unchanged
+    assert torch.equal(quant.dense()[:, :, :4], expected[:, :, :4])
+    assert torch.allclose(quant.dense()[:, :, 4:6], expected[:, :, 4:6], atol=1e-5)
+    assert torch.equal(quant.dense()[:, :, -8:], x[:, :, 22:30])
+
+
+def test_channel_key_cache_bytes_match_the_store():
+    model = tiny()
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(3))
+    for bits in (8, 4, 2):
+        engine = Engine(model, make_method("streamingllm", {}), 96, block=32, kv_bits=bits, kv_keys="channel")
+        totals = engine.score([ids])
+        assert totals.kv_cache_bytes == cache_bytes(model.config, 96, bits, torch.bfloat16, "channel")
+    assert KVQuant(2).key_mode == "channel" and KVQuant(4).key_mode == "token"
+    assert check_kv_keys("auto") is None and check_kv_keys("channel") == "channel"
+    with pytest.raises(UsageError, match="--kv-keys must be auto, token or channel"):
+        check_kv_keys("tokens")
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "treekv", "snapkv"])
+def test_channel_keys_stored_before_rope_read_back_at_their_positions(method):
+    """8-bit per-channel keys are un-rotated when stored and rotated to their current positions when read: an
+    error in either would be far from 16 bits once evictions move the keys."""
+    model = tiny(torch.float32)
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(4))
+    nll = {}
+    for bits, keys in ((16, None), (8, "channel"), (2, "channel")):
+        engine = Engine(model, make_method(method, {}), 96, block=32, kv_bits=bits, kv_keys=keys,
+                        warn=lambda message: None)
+        nll[bits] = engine.score([ids]).nll
+    assert abs(nll[8] - nll[16]) < 0.01
+    assert abs(nll[2] - nll[16]) < 0.5
 
 
 def tiny(dtype=torch.bfloat16):
@@ -159,6 +251,9 @@ def test_pod_takes_a_quantized_cache(select):
         totals[bits] = engine.score([ids])
     assert abs(totals[8].nll - totals[16].nll) < 0.02
     assert totals[8].kv_cache_bytes < 0.75 * totals[16].kv_cache_bytes
+    # PoD reads keys rotated from their entry positions: per-token keys even where 2 bits default to channels.
+    engine = Engine(model, make_method("pod", {"groups": groups}), 96, block=32, kv_bits=2, kv_keys="channel")
+    assert engine.cache_key_mode == "token" and engine.new_cache().kv_quant.key_mode == "token"
 
 
 @pytest.mark.parametrize("bits", [3, 0, 32, 1, True, "8"])
@@ -189,6 +284,16 @@ def test_cli_bad_kv_bits_is_one_line(tmp_path, command, value):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--kv-bits must be 16, 8, 4 or 2" in lines[0]
     assert result.stdout == ""
+
+
+def test_cli_bad_kv_keys_is_one_line(tmp_path):
+    book = tmp_path / "book.txt"
+    book.write_text("hello world\n")
+    result = subprocess.run([sys.executable, "-m", "kvcli", "ppl", str(book), "--kv-bits", "2", "--kv-keys", "chan"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "kvcli: error: --kv-keys must be auto, token or channel (how cached keys are rounded), not chan"]
 
 
 def test_bench_grid_has_kv_bits_as_an_axis_and_old_runs_are_16_bits():

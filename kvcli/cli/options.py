@@ -55,8 +55,13 @@ MethodsOptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", he
                                                             "every listed method that has it, or METHOD.KEY=VALUE "
                                                             "for one (repeatable).")]
 KvBitsOpt = Annotated[str, typer.Option("--kv-bits", help="Bits per cached key and value element: 16 (the "
-                                        "model's precision), 8, 4 or 2 (packed; keys and values rounded per token in "
-                                        "groups of channels, the last 32 tokens at full precision).")]
+                                        "model's precision), 8, 4 or 2 (packed; values rounded per token in groups of "
+                                        "channels, keys too at 8 and 4 bits and per channel at 2, the last 32 tokens "
+                                        "at full precision).")]
+KvKeysOpt = Annotated[str, typer.Option("--kv-keys", help="How cached keys are rounded below 16 bits: token "
+                                        "(per token in groups of channels), channel (per channel before RoPE, fixed "
+                                        "scales, the first 4 tokens at full precision) or auto (channel at 2 bits, "
+                                        "token at 8 and 4).")]
 DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="Folder of .txt books for the pg19 source "
                                                  "when offline (or set KVCLI_DATA).")]
 RowsOpt = Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per document to this file as "
@@ -121,11 +126,13 @@ class Setup:
         return load_model(self.model, device=self.device, dtype=self.dtype, device_map=self.device_map,
                           load_in_4bit=self.load_in_4bit, load_in_8bit=self.load_in_8bit, warn=self.say)
 
-    def build_engine(self, loaded, method, budget: int | None, block: int | None, kv_bits: int = 16):
-        """An engine for ``loaded`` whose warnings follow ``--quiet``, caching keys and values at ``kv_bits``."""
+    def build_engine(self, loaded, method, budget: int | None, block: int | None, kv_bits: int = 16,
+                     kv_keys: str | None = None):
+        """An engine for ``loaded`` whose warnings follow ``--quiet``, caching keys and values at ``kv_bits``
+        (keys rounded the ``kv_keys`` way)."""
         from kvcli.engine import Engine
 
-        return Engine(loaded.model, method, budget, block=block, warn=self.say, kv_bits=kv_bits)
+        return Engine(loaded.model, method, budget, block=block, warn=self.say, kv_bits=kv_bits, kv_keys=kv_keys)
 
 
 def join_ranks(setup: Setup):

@@ -13,6 +13,7 @@ from kvcli.cli.options import (
     CacheOpt,
     DataDirOpt,
     KvBitsOpt,
+    KvKeysOpt,
     MethodOpt,
     OptionOpt,
     RowsOpt,
@@ -27,13 +28,15 @@ from kvcli.cli.options import (
     with_setup,
 )
 from kvcli.errors import BudgetError, UsageError
+from kvcli.quant import check_kv_keys
 
 
-def bytes_budget(method, loaded, nbytes: int, text: str, kv_bits: int = 16) -> int:
-    """``--cache-bytes`` as the method's budget in tokens per layer on the loaded model at ``kv_bits``, checked."""
+def bytes_budget(method, loaded, nbytes: int, text: str, kv_bits: int = 16, kv_keys: str | None = None) -> int:
+    """``--cache-bytes`` as the method's budget in tokens per layer on the loaded model at ``kv_bits`` (keys
+    rounded the ``kv_keys`` way), checked."""
     from kvcli.engine import budget_for_bytes, check_budget
 
-    budget = budget_for_bytes(method, loaded.model, nbytes, loaded.dtype, kv_bits)
+    budget = budget_for_bytes(method, loaded.model, nbytes, loaded.dtype, kv_bits, kv_keys)
     try:
         check_budget(method, budget)
     except BudgetError as exc:
@@ -51,6 +54,7 @@ def ppl(
     block: BlockOpt = "auto",
     option: OptionOpt = None,
     kv_bits: KvBitsOpt = "16",
+    kv_keys: KvKeysOpt = "auto",
     cache_bytes: Annotated[str | None, typer.Option("--cache-bytes", help="KV budget in bytes (e.g. 45MiB), "
                                                     "turned into tokens per layer for this method and model: "
                                                     "compares methods at equal memory (PoD with a selection "
@@ -95,6 +99,7 @@ def ppl(
     check_at_least(1, max_tokens=max_tokens, logits_top_k=logits_top_k, context=context)
     block_size = parse_block(block)
     bits = parse_kv_bits(kv_bits)
+    keys = check_kv_keys(kv_keys)
     if checkpoint is not None:
         from kvcli.checkpoint import check_restorable
 
@@ -170,8 +175,8 @@ def ppl(
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
     if nbytes is not None:
-        cache = bytes_budget(method_obj, loaded, nbytes, cache_bytes, bits)
-    engine = setup.build_engine(loaded, method_obj, cache, block_size, kv_bits=bits)
+        cache = bytes_budget(method_obj, loaded, nbytes, cache_bytes, bits, keys)
+    engine = setup.build_engine(loaded, method_obj, cache, block_size, kv_bits=bits, kv_keys=keys)
     saver = None
     if checkpoint is not None:
         saver = Checkpointer(checkpoint, identity(loaded, engine), every_tokens, every_seconds, resume=resume)
@@ -256,6 +261,8 @@ def ppl(
     result = PerplexityRun(loaded, method, method_obj.settings(), engine.budget, engine.block, protocol, totals,
                            doc_rows, peak, job).as_dict()
     result["kv_bits"] = bits
+    if bits != 16:
+        result["kv_keys"] = engine.cache_key_mode
     if meter is not None:
         result.update(meter.finish(totals.interrupted).as_dict())
     if writer is not None:
