@@ -72,6 +72,31 @@ def custom_instruction(prompt: str, answer_prefix: str = "") -> Instruction:
     return Instruction(prompt, f"\n\n{prompt}\n", answer_prefix)
 
 
+@dataclass(frozen=True)
+class Repetition:
+    """How the writer keeps an answer from looping, over the answer's own tokens only (never the prompt's).
+
+    * ``no_repeat_ngram`` N: a token that would complete an N-gram the answer already holds is never chosen
+      (Hugging Face's ``no_repeat_ngram_size``); so no run of N tokens, and no sentence of N tokens or more,
+      is written twice. 0 = off.
+    * ``penalty`` P: the logit of every token the answer already holds is divided by P where positive and
+      multiplied by P where negative (CTRL's repetition penalty, Hugging Face's ``repetition_penalty``).
+      1 = off.
+    """
+
+    no_repeat_ngram: int = 0
+    penalty: float = 1.0
+
+    @property
+    def active(self) -> bool:
+        return self.no_repeat_ngram > 0 or self.penalty != 1.0
+
+
+#: What ``kvcli summarize``, ``kvcli ask`` and ``kvcli needle`` (ask's path) write with by default: a 135M model
+#: reading a compressed book otherwise loops on one sentence (chosen on the tuning books: docs/notes/).
+ANSWER_REPETITION = Repetition(no_repeat_ngram=4, penalty=1.0)
+
+
 @dataclass
 class PromptParts:
     """Token ids around the document: ``prefix + document + suffix`` is the whole prompt."""
