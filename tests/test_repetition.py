@@ -13,7 +13,15 @@ from kvcli.engine import Engine
 from kvcli.generate import Reader, RepetitionGuard
 from kvcli.methods import make_method
 from kvcli.models import tiny_llama
-from kvcli.prompts import ANSWER_REPETITION, TEMPLATES, PromptParts, Repetition
+from kvcli.prompts import (
+    ANSWER_REPETITION,
+    SUMMARY_REPETITION,
+    TEMPLATES,
+    PromptParts,
+    Repetition,
+    build_prompt,
+    question_instruction,
+)
 from kvcli.sections import Section, line_breaks, split_sections, summarize_in_sections
 
 
@@ -70,7 +78,16 @@ def test_the_penalty_weighs_down_every_token_the_answer_holds():
 
 def test_off_changes_nothing():
     assert not Repetition().active and Repetition(0, 1.0) == Repetition()
-    assert ANSWER_REPETITION.active
+    assert ANSWER_REPETITION.active and SUMMARY_REPETITION.active
+    assert ANSWER_REPETITION.penalty == 1.0  # a penalty would weigh down the second "4" of the key 60494
+
+
+def test_a_base_models_answer_ends_where_it_would_ask_the_next_question(smol_tokenizer):
+    plain = build_prompt(CharTokenizer(), question_instruction("Who?"))
+    assert not plain.chat and plain.stop == ("\nQuestion:", "\nAnswer:")
+    chat = build_prompt(smol_tokenizer, question_instruction("Who?"))
+    assert chat.chat and chat.stop == ()
+    assert build_prompt(CharTokenizer(), TEMPLATES["summary"]).stop == ()
 
 
 # --- the writer ------------------------------------------------------------------------------------------------
@@ -183,6 +200,8 @@ def test_summarize_in_sections_from_the_cli(invoke, tiny_model_dir, tmp_path):
     long_book.write_text(TEXT * 4)
     result = invoke("summarize", *common(tiny_model_dir, long_book), "--section", "120", "--json")
     data = json.loads(result.stdout)
+    assert (data["no_repeat_ngram"], data["repetition_penalty"]) == (SUMMARY_REPETITION.no_repeat_ngram,
+                                                                     SUMMARY_REPETITION.penalty)
     starts = [part["start"] for part in data["sections"]]
     assert data["section"] == 120 and len(starts) >= 2 and starts[0] == 0
     assert sum(part["tokens"] for part in data["sections"]) == data["document_tokens"]

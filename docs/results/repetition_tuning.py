@@ -27,7 +27,7 @@ from kvcli.generate import Generation, Reader
 from kvcli.methods import make_method
 from kvcli.models import load_model
 from kvcli.prompts import (
-    ANSWER_REPETITION,
+    SUMMARY_REPETITION,
     TEMPLATES,
     Instruction,
     Repetition,
@@ -36,6 +36,7 @@ from kvcli.prompts import (
     question_instruction,
     stop_token_ids,
 )
+from kvcli.recap import RECAP_TOKENS
 from kvcli.sections import summarize_in_sections
 
 SETTINGS = {
@@ -43,6 +44,7 @@ SETTINGS = {
     "ngram3": Repetition(no_repeat_ngram=3),
     "ngram4": Repetition(no_repeat_ngram=4),
     "penalty1.2": Repetition(penalty=1.2),
+    "ngram4+penalty1.2": Repetition(no_repeat_ngram=4, penalty=1.2),
 }
 
 #: One question per tuning book about its first 21k tokens (the issue's for *A Tale of Two Cities*).
@@ -58,7 +60,9 @@ FINAL = Instruction("The text above sums up a story part by part, in order. Summ
 
 
 def sentences(text: str) -> list[str]:
-    """Sentences and lines of ``text``, lower-cased, without surrounding spaces and punctuation."""
+    """Sentences of ``text`` (a line break inside one, as a model wraps its lines, joins it), and list items,
+    lower-cased, without surrounding spaces and punctuation."""
+    text = re.sub(r"(?<![.!?:])\n(?![-*\d\n])", " ", text)
     pieces = re.split(r"(?<=[.!?])\s+|\n+", text)
     return [p for p in (re.sub(r"\W+", " ", piece).strip().lower() for piece in pieces) if p]
 
@@ -124,7 +128,7 @@ def repeat(loaded, book: str, text_ids: list[int], new_tokens: dict[str, int], s
     key = book.split("/")[-1].split("-")[0]
     question, answer = QUESTIONS[key]
     for command, instruction in (("summarize", TEMPLATES["summary"]), ("ask", question_instruction(question))):
-        reader = Reader(engine_for(loaded), tokenizer, stop_ids=stops)
+        reader = Reader(engine_for(loaded), tokenizer, stop_ids=stops, recap=RECAP_TOKENS if command == "ask" else 0)
         cache = reader.engine.new_cache()
         read = Generation()
         hidden = reader.read(cache, build_prompt(tokenizer, instruction), [text_ids], read, one_shot=False)
@@ -149,7 +153,7 @@ def sections(loaded, book: str, text: str, text_ids: list[int], sizes: list[int]
             if size == 0 and final_name == "dedicated":
                 continue
             reader = Reader(engine_for(loaded), tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model),
-                            repetition=ANSWER_REPETITION)
+                            repetition=SUMMARY_REPETITION)
             final = instruction if size else TEMPLATES["summary"]
             if size and final_name == "dedicated" and cached.get(size):
                 gen, parts = None, cached[size]
@@ -173,7 +177,22 @@ def _final_only(reader: Reader, instruction: Instruction, parts: list) -> str:
     return reader.run(build_prompt(reader.tokenizer, instruction), [notes], 256).text
 
 
+def table(paths: list[str]) -> None:
+    """The rows of ``repeat`` runs (JSON lines files) as a Markdown table, measured again from their text."""
+    rows = [json.loads(line) for path in paths for line in open(path, encoding="utf-8") if line.strip()]
+    print("| model | book | command | setting | most repeated sentence | distinct-1 | distinct-2 | tokens | end |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
+    for row in rows:
+        m = measure(row["text"])
+        right = {True: " (right)", False: " (wrong)"}.get(row.get("right"), "")
+        print(f"| {row['model']} | {row['book']} | {row['command']}{right} | {row['setting']} | {m['repeats']} | "
+              f"{m['distinct1']} | {m['distinct2']} | {row['tokens']} | {row['finish']} |")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["table"]:
+        table(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["repeat", "sections"])
     parser.add_argument("model")

@@ -34,7 +34,7 @@ from kvcli.cli.options import (
     with_setup,
 )
 from kvcli.errors import UsageError
-from kvcli.prompts import ANSWER_REPETITION, Repetition
+from kvcli.prompts import ANSWER_REPETITION, SUMMARY_REPETITION, Repetition
 from kvcli.recap import RECAP_TOKENS
 from kvcli.sections import SECTION_TOKENS
 
@@ -113,12 +113,13 @@ class ReadOptions:
     resume: bool = False
     kv_bits: str | int = 16
     recap: int = 0
-    no_repeat_ngram: int = ANSWER_REPETITION.no_repeat_ngram
-    repetition_penalty: float = ANSWER_REPETITION.penalty
+    no_repeat_ngram: int = 0
+    repetition_penalty: float = 1.0
 
 
-def with_reading(max_new_tokens: int, recap: int = 0):
-    """The options ``summarize`` and ``ask`` share, handed to the command as one :class:`ReadOptions` (``read``)."""
+def with_reading(max_new_tokens: int, repetition: Repetition, recap: int = 0):
+    """The options ``summarize`` and ``ask`` share, handed to the command as one :class:`ReadOptions` (``read``);
+    the arguments are the command's defaults."""
 
     def build(method, cache, block, option, max_new_tokens, answer_prefix, temperature, seed, json_out, preset,
               one_shot, probe, stop, each, rows, resume, kv_bits, recap, no_repeat_ngram,
@@ -136,8 +137,8 @@ def with_reading(max_new_tokens: int, recap: int = 0):
         keyword("one_shot", OneShotOpt, None), keyword("probe", ProbeOpt, True), keyword("stop", StopOpt, None),
         keyword("each", EachOpt, False), keyword("rows", RowsOpt, None), keyword("resume", ResumeOpt, False),
         keyword("kv_bits", KvBitsOpt, "16"), keyword("recap", RecapOpt, recap),
-        keyword("no_repeat_ngram", NoRepeatOpt, ANSWER_REPETITION.no_repeat_ngram),
-        keyword("repetition_penalty", PenaltyOpt, ANSWER_REPETITION.penalty),
+        keyword("no_repeat_ngram", NoRepeatOpt, repetition.no_repeat_ngram),
+        keyword("repetition_penalty", PenaltyOpt, repetition.penalty),
     ])
 
 
@@ -217,7 +218,8 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     tokenizer = loaded.tokenizer
     engine = setup.build_engine(loaded, method_obj, read.cache, block_size, kv_bits=bits)
     parts = build_prompt(tokenizer, instruction)
-    reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
+    reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop),
+                    stop=[*read.stop, *parts.stop],
                     temperature=read.temperature, seed=read.seed, recap=read.recap, repetition=repetition)
     if read.each:
         each_document(command, documents, reader, parts, instruction, setup, read, ranks, section)
@@ -325,7 +327,7 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
         raise typer.Exit(130)
 
 
-@with_reading(max_new_tokens=256)
+@with_reading(max_new_tokens=256, repetition=SUMMARY_REPETITION)
 @with_setup
 def summarize(
     ctx: typer.Context,
@@ -360,7 +362,7 @@ def summarize(
     read_and_write(ctx, "summarize", source, instruction, setup, read, section)
 
 
-@with_reading(max_new_tokens=128, recap=RECAP_TOKENS)
+@with_reading(max_new_tokens=128, repetition=ANSWER_REPETITION, recap=RECAP_TOKENS)
 @with_setup
 def ask(
     ctx: typer.Context,
