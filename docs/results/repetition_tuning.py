@@ -68,11 +68,14 @@ def sentences(text: str) -> list[str]:
 
 
 def most_repeated(text: str) -> tuple[int, str]:
-    counts = Counter(sentences(text))
-    if not counts:
-        return 0, ""
-    sentence, count = counts.most_common(1)[0]
-    return count, sentence
+    """The most repeated sentence or line of ``text`` (a loop of short lines has no sentence end), and its count."""
+    lines = [p for p in (re.sub(r"\W+", " ", line).strip().lower() for line in text.split("\n")) if p]
+    best = (0, "")
+    for counts in (Counter(sentences(text)), Counter(lines)):
+        if counts:
+            sentence, count = counts.most_common(1)[0]
+            best = max(best, (count, sentence))
+    return best
 
 
 def distinct(text: str, n: int) -> float:
