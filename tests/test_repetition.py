@@ -221,3 +221,26 @@ def test_bad_values_are_one_line(invoke, book, args, message):
     result = invoke("summarize", str(book), *args)
     assert result.exit_code == 2 and result.stderr.startswith(f"kvcli: error: {message}")
     assert result.stderr.count("\n") == 1
+
+
+def test_ctrl_c_in_a_section_keeps_what_the_sections_said(model):
+    """Ctrl-C while a section is written: the answer is the summaries so far (the one being written cut short),
+    shown as the answer would have been, and marked interrupted."""
+    from kvcli.generate import Generation
+
+    engine = Engine(model, make_method("treekv"), 48, block=16)
+    reader = Reader(engine, CharTokenizer())
+    said = iter(["First part.", "Second, cut"])
+
+    def run(parts, document, max_new_tokens, **kwargs):
+        gen = Generation(text=next(said), finish_reason="length")
+        if gen.text.endswith("cut"):
+            gen.finish_reason = "interrupted"
+        return gen
+
+    reader.run = run
+    shown: list[str] = []
+    gen, sections = summarize_in_sections(reader, TEMPLATES["summary"], [list(range(40, 120)) * 3], 8, section=100,
+                                          on_text=shown.append)
+    assert gen.finish_reason == "interrupted" and [s.summary for s in sections] == ["First part.", "Second, cut"]
+    assert gen.text == "".join(shown) == "First part.\n\nSecond, cut" and gen.document_tokens == 200
