@@ -47,12 +47,14 @@ class Section:
 
 def split_sections(chunks: Iterable[list[int]], size: int, is_break: Callable[[int], bool] = lambda token: False
                    ) -> Iterator[list[int]]:
-    """The token ids of ``chunks`` in sections of at most ``size`` tokens, the last one shorter; a section ends
-    after the last token of its last quarter for which ``is_break`` holds (a line break), else at ``size``."""
+    """The token ids of ``chunks`` in sections of at most ``size`` tokens; a section ends after the last token of
+    its last quarter for which ``is_break`` holds (a line break), else at ``size``. The last section takes up to a
+    quarter of ``size`` more rather than leave a remainder that short (a few hundred tokens summarized alone made
+    the default model describe itself: "a helpful AI assistant named SmolLM")."""
     pending: list[int] = []
     for chunk in chunks:
         pending.extend(chunk)
-        while len(pending) > size:
+        while len(pending) > size + size // 4:
             cut = size
             for index in range(size - 1, size - size // 4 - 1, -1):
                 if is_break(pending[index]):
@@ -75,17 +77,21 @@ def line_breaks(tokenizer) -> Callable[[int], bool]:
 
 
 def summarize_in_sections(reader: Reader, instruction: Instruction, document: Iterable[list[int]],
-                          max_new_tokens: int, *, section: int = SECTION_TOKENS,
-                          section_new_tokens: int = SECTION_NEW_TOKENS, one_shot: bool | None = None,
-                          probe: bool = True, on_section: Callable[[int, Section], None] | None = None,
+                          max_new_tokens: int, *, section: int = SECTION_TOKENS, combine: bool = False,
+                          one_shot: bool | None = None, probe: bool = True,
+                          on_section: Callable[[int, Section], None] | None = None,
                           on_text: Callable[[str], None] | None = None,
                           on_read: Callable[[Generation], None] | None = None) -> tuple[Generation, list[Section]]:
     """Summarize ``document`` with ``instruction``: in one pass if it fits one section (or ``section`` is 0),
-    else section by section and then the sections' summaries (the module's text). Returns the last pass's
-    :class:`Generation`, its token counts and times covering every pass, and the sections (none for one pass).
+    else section by section (the module's text). Returns a :class:`Generation` whose token counts and times
+    cover every pass, and the sections (none for one pass).
 
-    ``on_section(index, section)`` after each section's summary; ``on_text`` and ``on_read`` as for
-    :meth:`Reader.run`, for the pass that writes the answer.
+    Without ``combine`` (the default summary) the answer is the sections' summaries in order, each streamed
+    through ``on_text`` as it is written (``on_read`` before the first), a blank line between two; with
+    ``combine`` (another instruction: a TL;DR, key points, the user's prompt) the summaries are read as one
+    text with ``instruction``, and that last pass writes the answer. ``on_section(index, section)`` after each
+    section's summary. A section's summary takes at most :data:`SECTION_NEW_TOKENS` (or ``max_new_tokens``,
+    if fewer).
     """
     from kvcli.generate import Generation
 
@@ -101,26 +107,37 @@ def summarize_in_sections(reader: Reader, instruction: Instruction, document: It
         return reader.run(parts, [first], max_new_tokens, one_shot=one_shot, probe=probe, on_text=on_text,
                           on_read=on_read), []
     section_parts = build_prompt(tokenizer, SECTION_INSTRUCTION)
+    stream = None if combine else on_text
     sections: list[Section] = []
-    spent = Generation()
+    spent, written = Generation(), Generation()
+    texts: list[str] = []  # each section's summary as streamed
     start = 0
     for ids in _chain_sections(first, second, pieces):
-        gen = _read_section(reader, section_parts, ids, start, section_new_tokens, one_shot, probe)
+        if stream and sections:
+            stream(SECTION_SEPARATOR)
+        gen = _read_section(reader, section_parts, ids, start, min(SECTION_NEW_TOKENS, max_new_tokens), one_shot,
+                            probe, on_text=stream, on_read=on_read if stream and not sections else None)
         sections.append(Section(start, len(ids), gen.text.strip()))
+        texts.append(gen.text)
         start += len(ids)
-        if gen.finish_reason == "interrupted":  # Ctrl-C: the answer is what the sections said so far
-            gen.text = _joined(sections)
-            if on_read:
-                on_read(gen)
-            if on_text:
-                on_text(gen.text)
-            return _total(gen, spent, start), sections
         _add(spent, gen)
+        written.ids.extend(gen.ids)
+        written.finish_reason = gen.finish_reason
+        if gen.finish_reason == "interrupted":  # Ctrl-C: the answer is what the sections said so far
+            if not stream:
+                if on_read:
+                    on_read(gen)
+                if on_text:
+                    on_text(_joined(sections))
+            break
         if on_section:
             on_section(len(sections) - 1, sections[-1])
-    final = reader.run(parts, [encode(tokenizer, _joined(sections))], max_new_tokens, one_shot=one_shot, probe=probe,
-                       on_text=on_text, on_read=on_read)
-    return _total(final, spent, start), sections
+    if combine and written.finish_reason != "interrupted":
+        final = reader.run(parts, [encode(tokenizer, _joined(sections))], max_new_tokens, one_shot=one_shot,
+                           probe=probe, on_text=on_text, on_read=on_read)
+        return _total(final, spent, start), sections
+    written.text = SECTION_SEPARATOR.join(texts)  # what on_text was given
+    return _total(written, spent, start), sections
 
 
 def _joined(sections: list[Section]) -> str:
@@ -135,14 +152,14 @@ def _chain_sections(first: list[int], second: list[int], rest: Iterator[list[int
 
 
 def _read_section(reader: Reader, parts: PromptParts, ids: list[int], start: int, max_new_tokens: int,
-                  one_shot: bool | None, probe: bool) -> Generation:
-    """One section read and summarized, the reader's progress counting from ``start`` (the document's tokens
-    before it)."""
+                  one_shot: bool | None, probe: bool, **callbacks) -> Generation:
+    """One section read and summarized (``callbacks`` as for :meth:`Reader.run`), the reader's progress counting
+    from ``start`` (the document's tokens before it)."""
     report = reader.on_progress
     if report is not None:
         reader.on_progress = lambda read, cached, seconds: report(start + read, cached, seconds)
     try:
-        return reader.run(parts, [ids], max_new_tokens, one_shot=one_shot, probe=probe)
+        return reader.run(parts, [ids], max_new_tokens, one_shot=one_shot, probe=probe, **callbacks)
     finally:
         reader.on_progress = report
 

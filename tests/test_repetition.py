@@ -136,6 +136,9 @@ def test_sections_end_at_a_line_break_in_their_last_quarter():
     assert [len(p) for p in pieces] == [71, 40] and pieces[0][-1] == ord("\n")
     plain = list(split_sections([list(range(10, 260))], 100))
     assert [len(p) for p in plain] == [100, 100, 50] and sum(plain, []) == list(range(10, 260))
+    # a remainder of a quarter of a section or less goes with the last section
+    assert [len(p) for p in split_sections([list(range(220))], 100)] == [100, 120]
+    assert [len(p) for p in split_sections([[1] * 45] * 5, 100)] == [100, 125]  # streamed in chunks alike
 
 
 def test_a_long_document_is_summarized_section_by_section_then_as_a_whole(model):
@@ -152,13 +155,27 @@ def test_a_long_document_is_summarized_section_by_section_then_as_a_whole(model)
     reader.run = spy
     document = torch.randint(40, 128, (250,), generator=torch.Generator().manual_seed(2)).tolist()
     seen: list[Section] = []
-    gen, sections = summarize_in_sections(reader, TEMPLATES["tldr"], [document], 12, section=100,
-                                          section_new_tokens=5, on_section=lambda i, s: seen.append(s))
+    shown: list[str] = []
+    gen, sections = summarize_in_sections(reader, TEMPLATES["tldr"], [document], 12, section=100, combine=True,
+                                          on_section=lambda i, s: seen.append(s), on_text=shown.append)
     assert [(s.start, s.tokens) for s in sections] == [(0, 100), (100, 100), (200, 50)] and seen == sections
-    assert [c[1:] for c in calls[:3]] == [(100, 5), (100, 5), (50, 5)] and calls[3][2] == 12
+    assert [c[1:] for c in calls] == [(100, 12), (100, 12), (50, 12), (calls[3][1], 12)]
     assert calls[0][0] != calls[3][0]  # the sections are asked for a summary, the last pass the user's tldr
-    assert gen.document_tokens == 250 and gen.generated_tokens <= 12
+    assert gen.document_tokens == 250 and gen.generated_tokens <= 12 and "".join(shown) == gen.text
     assert gen.prompt_tokens > 250  # every pass's prompt counted
+
+
+def test_the_default_summary_is_the_sections_summaries_in_order_as_they_are_written(model):
+    engine = Engine(model, make_method("treekv"), 48, block=16)
+    reader = Reader(engine, CharTokenizer(), repetition=Repetition(no_repeat_ngram=3))
+    document = torch.randint(40, 128, (250,), generator=torch.Generator().manual_seed(2)).tolist()
+    shown: list[str] = []
+    read: list[int] = []
+    gen, sections = summarize_in_sections(reader, TEMPLATES["summary"], [document], 6, section=100,
+                                          on_text=shown.append, on_read=lambda g: read.append(len(shown)))
+    assert len(sections) == 3 and read == [0]  # on_read once, before the first text
+    assert gen.text == "".join(shown) and gen.generated_tokens <= 18
+    assert gen.text.count("\n\n") >= 2 and all(s.summary in gen.text for s in sections)
 
 
 def test_a_document_within_one_section_is_one_pass(model):
@@ -206,7 +223,11 @@ def test_summarize_in_sections_from_the_cli(invoke, tiny_model_dir, tmp_path):
     assert data["section"] == 120 and len(starts) >= 2 and starts[0] == 0
     assert sum(part["tokens"] for part in data["sections"]) == data["document_tokens"]
     assert all(part["tokens"] <= 120 for part in data["sections"])
-    assert "section 1 (tokens 1-" in result.stderr and "section 2 (tokens" in result.stderr
+    assert all(part["summary"] in data["summary"] for part in data["sections"])
+    streamed = invoke("summarize", *common(tiny_model_dir, long_book), "--section", "120", "--quiet")
+    assert streamed.stdout.strip() == data["summary"]
+    tldr = invoke("summarize", *common(tiny_model_dir, long_book), "--section", "120", "--template", "tldr")
+    assert "section 1 (tokens 1-" in tldr.stderr and "section 2 (tokens" in tldr.stderr
     one = json.loads(invoke("summarize", *common(tiny_model_dir, long_book), "--section", "0", "--json",
                             "--quiet").stdout)
     assert one["sections"] == [] and one["document_tokens"] == data["document_tokens"]
@@ -241,6 +262,6 @@ def test_ctrl_c_in_a_section_keeps_what_the_sections_said(model):
     reader.run = run
     shown: list[str] = []
     gen, sections = summarize_in_sections(reader, TEMPLATES["summary"], [list(range(40, 120)) * 3], 8, section=100,
-                                          on_text=shown.append)
+                                          combine=True, on_text=shown.append)
     assert gen.finish_reason == "interrupted" and [s.summary for s in sections] == ["First part.", "Second, cut"]
     assert gen.text == "".join(shown) == "First part.\n\nSecond, cut" and gen.document_tokens == 200

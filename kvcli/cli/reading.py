@@ -70,9 +70,9 @@ NoRepeatOpt = Annotated[int, typer.Option("--no-repeat-ngram", help="Never write
 PenaltyOpt = Annotated[float, typer.Option("--repetition-penalty", help="Divide the logits of tokens the answer "
                                            "already holds by this (multiply where negative). 1 = off.")]
 SectionOpt = Annotated[int, typer.Option("--section", help="A document longer than this many tokens is summarized "
-                                         "section by section as it streams, then the section summaries are "
-                                         "summarized, so the summary covers the whole text. 0 = one pass over the "
-                                         "whole document.")]
+                                         "section by section as it streams, a summary per section in order, so "
+                                         "the summary covers the whole text (--template, --prompt: then applied "
+                                         "to those summaries). 0 = one pass over the whole document.")]
 
 
 def check_repetition(no_repeat_ngram: int, penalty: float) -> Repetition:
@@ -160,23 +160,24 @@ def apply_presets(ctx: typer.Context, specs: list[str] | None, setup: Setup, rea
                                       stop=list(dict.fromkeys([*merged.get("stop", []), *read.stop])))
 
 
-def write_about(reader, parts, instruction, document, read: ReadOptions, section: int = 0, **callbacks
-             ) -> tuple[object, list]:
-    """Read ``document`` and write about it: in sections when ``section`` (summarize, :mod:`kvcli.sections`), else
-    in one pass. The :class:`kvcli.generate.Generation` and the sections (none for one pass)."""
+def write_about(reader, parts, instruction, document, read: ReadOptions, section: int = 0, combine: bool = False,
+                **callbacks) -> tuple[object, list]:
+    """Read ``document`` and write about it: in sections when ``section`` (summarize, :mod:`kvcli.sections`; their
+    summaries then ``combine``d by one more pass or not), else in one pass. The
+    :class:`kvcli.generate.Generation` and the sections (none for one pass)."""
     if section:
         from kvcli.sections import summarize_in_sections
 
         return summarize_in_sections(reader, instruction, document, read.max_new_tokens, section=section,
-                                     one_shot=read.one_shot, probe=read.probe, **callbacks)
+                                     combine=combine, one_shot=read.one_shot, probe=read.probe, **callbacks)
     callbacks.pop("on_section", None)
     return reader.run(parts, document, read.max_new_tokens, one_shot=read.one_shot, probe=read.probe,
                       **callbacks), []
 
 
 def read_and_write(ctx: typer.Context, command: str, source: str, instruction, setup: Setup, read: ReadOptions,
-                   section: int = 0) -> None:
-    """The shared body of ``summarize`` and ``ask`` (``section``: summarize's, 0 for ask)."""
+                   section: int = 0, combine: bool = False) -> None:
+    """The shared body of ``summarize`` and ``ask`` (``section`` and ``combine``: summarize's sections)."""
     from kvcli.cli.render import reading_summary
     from kvcli.generate import Reader, document_tokens
     from kvcli.prompts import build_prompt, stop_token_ids
@@ -222,7 +223,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
                     stop=[*read.stop, *parts.stop],
                     temperature=read.temperature, seed=read.seed, recap=read.recap, repetition=repetition)
     if read.each:
-        each_document(command, documents, reader, parts, instruction, setup, read, ranks, section)
+        each_document(command, documents, reader, parts, instruction, setup, read, ranks, section, combine)
         return
     out = None if read.json_out else StdoutStream()
     reset_peak_memory(loaded.device)
@@ -235,12 +236,13 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
         if out is not None and primer:
             out.write(primer)
 
-    def on_section(index: int, part) -> None:
+    def on_section(index: int, part) -> None:  # summaries combined by a last pass: each one shown on stderr
         setup.note(f"section {index + 1} (tokens {part.start + 1:,}-{part.start + part.tokens:,}): {part.summary}")
 
     with progress:
         gen, sections = write_about(reader, parts, instruction, document_tokens(documents, tokenizer), read, section,
-                                 on_text=out.write if out else None, on_read=after_reading, on_section=on_section)
+                                    combine, on_text=out.write if out else None, on_read=after_reading,
+                                    on_section=on_section if combine else None)
     peak = peak_memory_bytes(loaded.device)
     if out is not None:
         out.end()
@@ -279,7 +281,7 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
 
 
 def each_document(command: str, documents: list, reader, parts, instruction, setup: Setup, read: ReadOptions,
-                  ranks, section: int = 0) -> None:
+                  ranks, section: int = 0, combine: bool = False) -> None:
     """``--each``: every document read with a fresh cache and written about; one JSON row per document."""
     from kvcli.corpus import run_corpus
     from kvcli.generate import document_tokens
@@ -292,7 +294,8 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
 
     def process(index: int, doc) -> tuple[dict, bool]:
         progress.start(Path(doc.name).name)
-        gen, sections = write_about(reader, parts, instruction, document_tokens([doc], tokenizer), read, section)
+        gen, sections = write_about(reader, parts, instruction, document_tokens([doc], tokenizer), read, section,
+                                    combine)
         progress.done()
         return {"tokens": gen.document_tokens, "text": (primer + gen.text).strip(), "prompt_tokens": gen.prompt_tokens,
                 "generated_tokens": gen.generated_tokens, "finish_reason": gen.finish_reason,
@@ -343,8 +346,9 @@ def summarize(
 ) -> None:
     """Read SOURCE (any length) through a fixed-size KV cache, then write a summary of it to stdout.
 
-    A document longer than --section tokens is summarized section by section as it streams (each summary on
-    stderr), then the section summaries are summarized: that summary goes to stdout.
+    A document longer than --section tokens is summarized section by section as it streams, each section's
+    summary written to stdout in turn; with --template, --prompt or --answer-prefix the section summaries
+    (then on stderr) are read once more with that instruction, and that answer goes to stdout.
     """
     from kvcli.prompts import TEMPLATES, custom_instruction
 
@@ -359,7 +363,9 @@ def summarize(
         if name not in TEMPLATES:
             raise UsageError(f"unknown --template {name!r}; choose one of: {', '.join(TEMPLATES)}")
         instruction = dataclasses.replace(TEMPLATES[name], answer_prefix=read.answer_prefix)
-    read_and_write(ctx, "summarize", source, instruction, setup, read, section)
+    # The default summary is the sections' own summaries in order; another instruction is applied to them.
+    combine = prompt is not None or (template or "summary") != "summary" or bool(read.answer_prefix)
+    read_and_write(ctx, "summarize", source, instruction, setup, read, section, combine)
 
 
 @with_reading(max_new_tokens=128, repetition=ANSWER_REPETITION, recap=RECAP_TOKENS)
