@@ -37,7 +37,7 @@ from kvcli.cache import KVCache
 from kvcli.decode import answer_steps
 from kvcli.engine import Engine, kv_bytes_per_token
 from kvcli.errors import KvcliError
-from kvcli.prompts import PromptParts, encode
+from kvcli.prompts import PromptParts, Repetition, encode
 from kvcli.recap import Recap, word_joins
 
 #: One forward pass over this many tokens is what auto one-shot prefill allows at most on a CPU (the
@@ -173,6 +173,55 @@ def one_shot_limit(engine: Engine, max_new_tokens: int, free_bytes: int | None =
     return max(cap, 0)
 
 
+class RepetitionGuard:
+    """:class:`Repetition` applied to one answer's logits, step by step.
+
+    The n-gram ban is kept on the host, where every sampled token already is (the sampler reads it back):
+    the N-gram prefixes seen so far, each with the tokens that followed it. The banned tokens of a step go
+    to the logits' device as one small index; the penalty's record of the answer's tokens is a mask on that
+    device, updated there. Neither reads anything back, so a step's only host read stays the sampled token,
+    and the logits of a captured CUDA graph (:mod:`kvcli.decode`) are never written into (a new tensor is
+    returned), so the next replay is not disturbed.
+    """
+
+    def __init__(self, settings: Repetition):
+        self.settings = settings
+        self.ids: list[int] = []
+        self.followers: dict[tuple[int, ...], set[int]] = {}
+        self.seen: torch.Tensor | None = None  # [V] bool on the logits' device, for the penalty
+
+    def add(self, token: int) -> None:
+        """Record a token the answer now holds."""
+        self.ids.append(token)
+        n = self.settings.no_repeat_ngram
+        if n and len(self.ids) >= n:
+            self.followers.setdefault(tuple(self.ids[len(self.ids) - n:-1]), set()).add(token)
+        if self.seen is not None:
+            self.seen[token] = True
+
+    def banned(self) -> list[int]:
+        """Tokens that would complete an N-gram already written."""
+        n = self.settings.no_repeat_ngram
+        if not n or len(self.ids) < n - 1:
+            return []
+        key = tuple(self.ids[len(self.ids) - n + 1:]) if n > 1 else ()
+        return sorted(self.followers.get(key, ()))
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[V]`` with the rules applied (``logits`` itself when they change nothing)."""
+        if self.settings.penalty != 1.0:
+            if self.seen is None:
+                self.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                self.seen[self.ids] = True
+            penalty = self.settings.penalty
+            logits = torch.where(self.seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        banned = self.banned()
+        if banned:
+            index = torch.tensor(banned, dtype=torch.long).to(logits.device, non_blocking=True)
+            logits = logits.index_fill(-1, index, float("-inf"))
+        return logits
+
+
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """Greedy (first maximum) at temperature 0, else one draw from ``softmax(logits / temperature)``."""
     if temperature <= 0:
@@ -185,10 +234,11 @@ class Reader:
     """Runs the read phase and the write phase on one engine and one cache."""
 
     def __init__(self, engine: Engine, tokenizer, *, stop_ids: Iterable[int] = (), stop: Iterable[str] = (),
-                 temperature: float = 0.0, seed: int = 0, recap: int = 0,
+                 temperature: float = 0.0, seed: int = 0, recap: int = 0, repetition: Repetition = Repetition(),
                  on_progress: Callable[[int, int, float], None] | None = None):
         """``recap``: a streamed read with a question re-reads at most this many document tokens that the
-        question pointed at before the question (:mod:`kvcli.recap`); 0 = none."""
+        question pointed at before the question (:mod:`kvcli.recap`); 0 = none. ``repetition``: how the answer is
+        kept from looping (default none: plain greedy or sampling, as ``transformers``' ``generate``)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.stop_ids = set(stop_ids)
@@ -196,6 +246,7 @@ class Reader:
         self.temperature = temperature
         self.seed = seed
         self.recap = recap
+        self.repetition = repetition
         self.on_progress = on_progress  # (tokens read, current cache tokens, seconds so far)
 
     # --- read -------------------------------------------------------------------------------------
@@ -302,14 +353,17 @@ class Reader:
         emit = on_text or (lambda text: None)
         result.finish_reason = "length"
         steps = answer_steps(self.engine, cache, max(max_new_tokens - 1, 0))  # the last token needs no forward
+        guard = RepetitionGuard(self.repetition) if self.repetition.active else None
         try:
             logits = self.engine.logits(hidden)[0]
             for step in range(max_new_tokens):
-                token = sample(logits, self.temperature, generator)
+                token = sample(guard(logits) if guard else logits, self.temperature, generator)
                 if token in self.stop_ids:
                     result.finish_reason = "eos"
                     break
                 result.ids.append(token)
+                if guard:
+                    guard.add(token)
                 piece = stream.add(token)
                 if piece:
                     emit(piece)

@@ -25,7 +25,7 @@ from kvcli.generate import Reader
 from kvcli.identity import as_json, first_difference
 from kvcli.kl import token_digest
 from kvcli.outputs import RowLog
-from kvcli.prompts import build_prompt, encode, question_frame, question_instruction, stop_token_ids
+from kvcli.prompts import ANSWER_REPETITION, build_prompt, encode, question_frame, question_instruction, stop_token_ids
 from kvcli.recap import RECAP_TOKENS
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
@@ -320,7 +320,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
                 done += 1
                 continue
             engine = Engine(model, built[name], budget, block=block, warn=warn, kv_bits=kv_bits)
-            reader = Reader(engine, tokenizer, stop_ids=stop_ids, recap=recap)
+            reader = Reader(engine, tokenizer, stop_ids=stop_ids, recap=recap, repetition=ANSWER_REPETITION)
             started = time.perf_counter()
             gen = reader.run(parts, [stack.doc], max_new_tokens, one_shot=one_shot, probe=probe)
             answer = gen.text.strip()

@@ -7,11 +7,29 @@ saved result can be drawn again. Needs matplotlib (:func:`kvcli.plots.pyplot`).
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
+from kvcli.errors import KvcliError
 from kvcli.plots import pyplot, save_figure
 
 NEEDLE_PLOT = "needle.png"
+
+
+def claim_unused(path: Path) -> Path:
+    """``path`` if no file is there, else the first of ``STEM-2.SUFFIX``, ``STEM-3.SUFFIX``, ... that is free,
+    created empty at once (so that two runs never take the same name): a run never overwrites another's plot."""
+    path = Path(path)
+    for number in range(1, 10_000):
+        candidate = path if number == 1 else path.with_name(f"{path.stem}-{number}{path.suffix}")
+        try:
+            os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise KvcliError(f"cannot write {candidate}: {exc.strerror or exc}") from None
+        return candidate
+    raise KvcliError(f"{path.parent} holds {path.name} and 9,998 numbered copies: use another --out folder")
 
 
 def plot_needle(result: dict, path: Path, model: str | None = None) -> Path:

@@ -30,6 +30,9 @@ class Instruction:
     text: str
     cue: str
     answer_prefix: str = ""
+    #: Where a base model's answer ends after the plain-text cue: a base model answers "Question: ... Answer:"
+    #: and then writes the next question and answer, and the next, for as long as it may.
+    cue_stop: tuple[str, ...] = ()
 
 
 #: Named prompts for ``kvcli summarize --template``.
@@ -52,7 +55,8 @@ def question_instruction(question: str, answer_prefix: str = "") -> Instruction:
     """The instruction of ``kvcli ask``: the question in :data:`ASK_FRAME`, or a Question/Answer cue for base
     models."""
     question = question.strip()
-    return Instruction(ASK_FRAME.format(question=question), f"\n\nQuestion: {question}\nAnswer:", answer_prefix)
+    return Instruction(ASK_FRAME.format(question=question), f"\n\nQuestion: {question}\nAnswer:", answer_prefix,
+                       cue_stop=("\nQuestion:", "\nAnswer:"))
 
 
 def question_frame(tokenizer) -> str:
@@ -72,6 +76,37 @@ def custom_instruction(prompt: str, answer_prefix: str = "") -> Instruction:
     return Instruction(prompt, f"\n\n{prompt}\n", answer_prefix)
 
 
+@dataclass(frozen=True)
+class Repetition:
+    """How the writer keeps an answer from looping, over the answer's own tokens only (never the prompt's).
+
+    * ``no_repeat_ngram`` N: a token that would complete an N-gram the answer already holds is never chosen
+      (Hugging Face's ``no_repeat_ngram_size``); so no run of N tokens, and no sentence of N tokens or more,
+      is written twice. 0 = off.
+    * ``penalty`` P: the logit of every token the answer already holds is divided by P where positive and
+      multiplied by P where negative (CTRL's repetition penalty, Hugging Face's ``repetition_penalty``).
+      1 = off.
+    """
+
+    no_repeat_ngram: int = 0
+    penalty: float = 1.0
+
+    @property
+    def active(self) -> bool:
+        return self.no_repeat_ngram > 0 or self.penalty != 1.0
+
+
+#: What ``kvcli ask`` and ``kvcli needle`` (ask's path) write with by default: no run of 4 tokens twice, which ends
+#: the loops of a small model reading a compressed book, and no penalty, which would weigh down the second "4" of
+#: a key such as 60494 or a name the answer repeats (chosen on the tuning books:
+#: docs/notes/2026-11-27-repetition.md).
+ANSWER_REPETITION = Repetition(no_repeat_ngram=4)
+#: What ``kvcli summarize`` writes with by default: the n-gram ban alone turned a summary's loop into near-copies
+#: of one sentence and made-up words ("a master shoer ... a master shozer"); with a penalty of 1.2 the same reads
+#: wrote varied sentences, on both tuning models.
+SUMMARY_REPETITION = Repetition(no_repeat_ngram=4, penalty=1.2)
+
+
 @dataclass
 class PromptParts:
     """Token ids around the document: ``prefix + document + suffix`` is the whole prompt."""
@@ -79,6 +114,7 @@ class PromptParts:
     prefix: list[int]
     suffix: list[int]
     chat: bool  # built with the tokenizer's chat template (False: plain-text fallback)
+    stop: tuple[str, ...] = ()  # stop strings of the prompt's format (the cue's, :attr:`Instruction.cue_stop`)
 
 
 def render_chat(tokenizer, content: str) -> str | None:
@@ -109,7 +145,8 @@ def build_prompt(tokenizer, instruction: Instruction, use_chat: bool = True) -> 
         before, after = rendered.split(SENTINEL)
         return PromptParts(encode(tokenizer, before), encode(tokenizer, after + primer), chat=True)
     cue = instruction.cue + (" " + primer if primer else "")
-    return PromptParts(leading_special_tokens(tokenizer), encode(tokenizer, cue), chat=False)
+    return PromptParts(leading_special_tokens(tokenizer), encode(tokenizer, cue), chat=False,
+                       stop=instruction.cue_stop)
 
 
 def encode(tokenizer, text: str) -> list[int]:

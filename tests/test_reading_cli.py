@@ -200,8 +200,12 @@ def test_needle_grid_json_and_table(invoke, tiny_model_dir, tmp_path):
     # every method saw the same keys
     keys = {m: [t["key"] for t in data["trials"] if t["method"] == m] for m in methods.split(",")}
     assert len({tuple(k) for k in keys.values()}) == 1
+    first_plot = (tmp_path / "out" / "needle.png").read_bytes()
     table = invoke(*common[:-1], "1").stdout
     assert "pass-key accuracy" in table and "by depth" in table and "300 tokens" in table and "95% CI" in table
+    # A second run into the same --out keeps the first run's plot and draws its own beside it.
+    assert (tmp_path / "out" / "needle.png").read_bytes() == first_plot
+    assert (tmp_path / "out" / "needle-2.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_needle_fixed_harness_and_answer_prefix(invoke, tiny_model_dir, tmp_path):

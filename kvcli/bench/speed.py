@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcli.bench.throughput import stream_plain_blocks, synchronize
-from kvcli.errors import UsageError
+from kvcli.errors import KvcliError, UsageError
 
 _LLAMA = {"rms_norm_eps": 1e-5, "hidden_act": "silu"}
 
@@ -115,6 +115,54 @@ def build_model(name: str, device: torch.device | str = "cpu", dtype: torch.dtyp
     model.eval()
     model.set_attn_implementation(ATTENTION_NAME)
     return model
+
+
+GiB = 2**30
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes ``device`` can still give: a GPU's free memory, a CPU's available memory (Linux's ``MemAvailable``);
+    None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_needed(model: torch.nn.Module, dtype: torch.dtype, cache: int, block: int) -> tuple[int, int]:
+    """Bytes a run of ``model`` (built on the meta device: nothing allocated) needs: its weights in ``dtype``, and
+    the rest at least: the engine's and the plain forward's caches of ``cache + block`` tokens, a block's
+    logits in fp32 (twice: their log-softmax) and a block's activations in one layer."""
+    from kvcli.engine import kv_bytes_per_token
+
+    config = model.config
+    size = torch.empty((), dtype=dtype).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * size
+    layer = 4 * config.hidden_size + 3 * (getattr(config, "intermediate_size", None) or 4 * config.hidden_size)
+    working = (2 * kv_bytes_per_token(model, dtype) * (cache + block)
+               + block * (2 * 4 * config.vocab_size + layer * size))
+    return weights, working
+
+
+def check_memory(shape: str, device: torch.device, dtype: torch.dtype, cache: int, block: int,
+                 free: int | None = None) -> None:
+    """Refuse, with one line and before anything is allocated, a shape whose weights and working memory do not
+    fit in what ``device`` has free (``free``, else measured by :func:`free_memory`)."""
+    free = free_memory(device) if free is None else free
+    if free is None:
+        return
+    weights, working = memory_needed(build_model(shape, "meta", dtype), dtype, cache, block)
+    if weights + working > free:
+        name = str(dtype).removeprefix("torch.")
+        raise KvcliError(f"--shape {shape} needs about {(weights + working) / GiB:.1f} GiB ({weights / GiB:.1f} GiB "
+                         f"for the weights in {name}, {working / GiB:.1f} GiB to run), and {device} has "
+                         f"{free / GiB:.1f} GiB free: choose a smaller shape or a device with more memory")
 
 
 def matmul_parameters(model: torch.nn.Module) -> int:
@@ -298,6 +346,7 @@ def run_speed(shape: str, methods: list, *, cache: int = 1024, block: int | None
     block = block or default_block(device)
     tokens = tokens or DEFAULT_TOKENS.get(device.type, DEFAULT_TOKENS["cpu"])
     tokens = max(block, tokens // block * block)
+    check_memory(shape, device, dtype, cache, block)
     note(f"building {shape} (random weights) on {device} in {str(dtype).removeprefix('torch.')}")
     model = build_model(shape, device, dtype, seed)
     generator = torch.Generator().manual_seed(seed)

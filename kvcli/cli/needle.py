@@ -65,7 +65,8 @@ def needle(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every trial and the accuracy "
                                            "tables.")] = False,
     out: Annotated[Path, typer.Option("--out", help="Folder for needle.png, the accuracy per method as a map "
-                                      "of length x depth.")] = Path("needle"),
+                                      "of length x depth; a plot already there is kept and the new one is "
+                                      "needle-2.png (then -3, ...).")] = Path("needle"),
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw needle.png in --out.")] = True,
     rows: Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per trial to this file as each "
                                               "trial finishes (whole lines only, even after a kill).")] = None,
@@ -140,11 +141,18 @@ def needle(
 
 
 def _plot(result, out: Path, model: str, setup: Setup) -> None:
-    """needle.png from the result; an install missing matplotlib (a dependency) gets one warning, no PNG."""
-    from kvcli.needle_plot import NEEDLE_PLOT, plot_needle
+    """needle.png from the result, or the first free needle-N.png beside an earlier run's; an install missing
+    matplotlib (a dependency) gets one warning, no PNG."""
+    from kvcli.needle_plot import NEEDLE_PLOT, claim_unused, plot_needle
+    from kvcli.outputs import remove_partial
     from kvcli.plots import MISSING, have_matplotlib
 
     if not have_matplotlib():
         setup.say(f"{MISSING}: no {NEEDLE_PLOT}")
         return
-    setup.note(f"wrote {plot_needle(result.as_dict(), out / NEEDLE_PLOT, model)}")
+    path = claim_unused(out / NEEDLE_PLOT)
+    try:
+        setup.note(f"wrote {plot_needle(result.as_dict(), path, model)}")
+    except BaseException:
+        remove_partial(path)  # the name this run claimed, empty or half-written
+        raise

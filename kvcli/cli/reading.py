@@ -36,7 +36,9 @@ from kvcli.cli.options import (
     with_setup,
 )
 from kvcli.errors import UsageError
+from kvcli.prompts import ANSWER_REPETITION, SUMMARY_REPETITION, Repetition
 from kvcli.recap import RECAP_TOKENS
+from kvcli.sections import SECTION_TOKENS
 
 SourceArg = Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text; one by "
                                           "one with --each), or - for stdin.")]
@@ -64,6 +66,23 @@ RecapOpt = Annotated[int, typer.Option("--recap", help="A document streamed with
                                        "0 = off; no effect on one-shot reads or on methods that score nothing.")]
 AnswerPrefixOpt = Annotated[str, typer.Option("--answer-prefix", help="Start the answer with this text (e.g. "
                                               "'The answer is'); the model continues it.")]
+NoRepeatOpt = Annotated[int, typer.Option("--no-repeat-ngram", help="Never write the same run of this many tokens "
+                                          "twice in one answer (the prompt does not count), so no sentence loops. "
+                                          "0 = off.")]
+PenaltyOpt = Annotated[float, typer.Option("--repetition-penalty", help="Divide the logits of tokens the answer "
+                                           "already holds by this (multiply where negative). 1 = off.")]
+SectionOpt = Annotated[int, typer.Option("--section", help="A document longer than this many tokens is summarized "
+                                         "section by section as it streams, a summary per section in order, so "
+                                         "the summary covers the whole text (--template, --prompt: then applied "
+                                         "to those summaries). 0 = one pass over the whole document.")]
+
+
+def check_repetition(no_repeat_ngram: int, penalty: float) -> Repetition:
+    """``--no-repeat-ngram`` (0 or more) and ``--repetition-penalty`` (above 0) as one :class:`Repetition`."""
+    check_at_least(0, no_repeat_ngram=no_repeat_ngram)
+    if not penalty > 0:
+        raise UsageError(f"--repetition-penalty must be above 0 (1 = off), not {penalty}")
+    return Repetition(no_repeat_ngram, penalty)
 
 
 #: The lowest temperature sampled at: below it ``logits / temperature`` overflows float32 into inf and NaN, and
@@ -108,16 +127,20 @@ class ReadOptions:
     resume: bool = False
     kv_bits: str | int = 16
     recap: int = 0
+    no_repeat_ngram: int = 0
+    repetition_penalty: float = 1.0
 
 
-def with_reading(max_new_tokens: int, recap: int = 0):
-    """The options ``summarize`` and ``ask`` share, handed to the command as one :class:`ReadOptions` (``read``)."""
+def with_reading(max_new_tokens: int, repetition: Repetition, recap: int = 0):
+    """The options ``summarize`` and ``ask`` share, handed to the command as one :class:`ReadOptions` (``read``);
+    the arguments are the command's defaults."""
 
     def build(method, cache, block, option, max_new_tokens, answer_prefix, temperature, seed, json_out, preset,
-              one_shot, probe, stop, each, rows, resume, kv_bits, recap) -> ReadOptions:
+              one_shot, probe, stop, each, rows, resume, kv_bits, recap, no_repeat_ngram,
+              repetition_penalty) -> ReadOptions:
         return ReadOptions(method, cache, block, parse_options(option), max_new_tokens, answer_prefix, temperature,
                            seed, json_out, preset or [], one_shot, probe, stop or [], each, rows, resume, kv_bits,
-                           recap)
+                           recap, no_repeat_ngram, repetition_penalty)
 
     return options_bundle("read", build, [
         keyword("method", MethodOpt, "treekv"), keyword("cache", CacheOpt, 1024),
@@ -128,6 +151,8 @@ def with_reading(max_new_tokens: int, recap: int = 0):
         keyword("one_shot", OneShotOpt, None), keyword("probe", ProbeOpt, True), keyword("stop", StopOpt, None),
         keyword("each", EachOpt, False), keyword("rows", RowsOpt, None), keyword("resume", ResumeOpt, False),
         keyword("kv_bits", KvBitsOpt, "16"), keyword("recap", RecapOpt, recap),
+        keyword("no_repeat_ngram", NoRepeatOpt, repetition.no_repeat_ngram),
+        keyword("repetition_penalty", PenaltyOpt, repetition.penalty),
     ])
 
 
@@ -149,10 +174,25 @@ def apply_presets(ctx: typer.Context, specs: list[str] | None, setup: Setup, rea
                                       stop=list(dict.fromkeys([*merged.get("stop", []), *read.stop])))
 
 
+def write_about(reader, parts, instruction, document, read: ReadOptions, section: int = 0, combine: bool = False,
+                **callbacks) -> tuple[object, list]:
+    """Read ``document`` and write about it: in sections when ``section`` (summarize, :mod:`kvcli.sections`; their
+    summaries then ``combine``d by one more pass or not), else in one pass. The
+    :class:`kvcli.generate.Generation` and the sections (none for one pass)."""
+    if section:
+        from kvcli.sections import summarize_in_sections
+
+        return summarize_in_sections(reader, instruction, document, read.max_new_tokens, section=section,
+                                     combine=combine, one_shot=read.one_shot, probe=read.probe, **callbacks)
+    callbacks.pop("on_section", None)
+    return reader.run(parts, document, read.max_new_tokens, one_shot=read.one_shot, probe=read.probe,
+                      **callbacks), []
+
+
 def read_and_write(ctx: typer.Context, command: str, source: str, instruction, setup: Setup, read: ReadOptions,
-                   about: dict) -> None:
+                   about: dict, section: int = 0, combine: bool = False) -> None:
     """The shared body of ``summarize`` and ``ask``; ``about`` is what the user asked (the question, the prompt
-    or template), recorded in every row of ``--rows``."""
+    or template), recorded in every row of ``--rows``; ``section`` and ``combine``: summarize's sections."""
     from kvcli.checkpoint import identity
     from kvcli.cli.render import reading_summary
     from kvcli.generate import Reader, document_tokens
@@ -170,6 +210,8 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     setup, read = apply_presets(ctx, read.presets, setup, read)
     check_at_least(1, max_new_tokens=read.max_new_tokens)
     check_recap(read.recap)
+    check_at_least(0, section=section)
+    repetition = check_repetition(read.no_repeat_ngram, read.repetition_penalty)
     block_size = parse_read_block(read.block)
     bits = parse_kv_bits(read.kv_bits)
     check_temperature(read.temperature)
@@ -190,14 +232,18 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     tokenizer = loaded.tokenizer
     engine = setup.build_engine(loaded, method_obj, read.cache, block_size, kv_bits=bits)
     parts = build_prompt(tokenizer, instruction)
-    reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop), stop=read.stop,
-                    temperature=read.temperature, seed=read.seed, recap=read.recap)
+    reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop),
+                    stop=[*read.stop, *parts.stop],
+                    temperature=read.temperature, seed=read.seed, recap=read.recap, repetition=repetition)
     if read.each:
         settings = {**about, **identity(loaded, engine), "kv_bits": bits, "instruction": instruction.text,
                     "cue": instruction.cue, "answer_prefix": instruction.answer_prefix, "chat_template": parts.chat,
                     "max_new_tokens": read.max_new_tokens, "temperature": read.temperature, "seed": read.seed,
-                    "one_shot": read.one_shot, "probe": read.probe, "recap": read.recap, "stop": read.stop}
-        each_document(command, documents, reader, parts, instruction, setup, read, ranks, settings)
+                    "one_shot": read.one_shot, "probe": read.probe, "recap": read.recap, "stop": read.stop,
+                    "no_repeat_ngram": read.no_repeat_ngram, "repetition_penalty": read.repetition_penalty,
+                    "section": section, "combine": combine}
+        each_document(command, documents, reader, parts, instruction, setup, read, ranks, settings, section,
+                      combine)
         return
     out = None if read.json_out else StdoutStream()
     reset_peak_memory(loaded.device)
@@ -210,9 +256,13 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
         if out is not None and primer:
             out.write(primer)
 
+    def on_section(index: int, part) -> None:  # summaries combined by a last pass: each one shown on stderr
+        setup.note(f"section {index + 1} (tokens {part.start + 1:,}-{part.start + part.tokens:,}): {part.summary}")
+
     with progress:
-        gen = reader.run(parts, document_tokens(documents, tokenizer), read.max_new_tokens, one_shot=read.one_shot,
-                         probe=read.probe, on_text=out.write if out else None, on_read=after_reading)
+        gen, sections = write_about(reader, parts, instruction, document_tokens(documents, tokenizer), read, section,
+                                    combine, on_text=out.write if out else None, on_read=after_reading,
+                                    on_section=on_section if combine else None)
     peak = peak_memory_bytes(loaded.device)
     if out is not None:
         out.end()
@@ -238,6 +288,10 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
             "recap_tokens": gen.recap_tokens,
             "chat_template": parts.chat,
             "finish_reason": gen.finish_reason,
+            "no_repeat_ngram": repetition.no_repeat_ngram,
+            "repetition_penalty": repetition.penalty,
+            **({"section": section, "sections": [part.as_dict() for part in sections]} if command == "summarize"
+               else {}),
         }))
     if not setup.quiet:
         stderr_console.print(reading_summary(gen, loaded, read.method, engine.budget, engine.block, peak),
@@ -264,9 +318,9 @@ def claim_rows(ctx: typer.Context, source: str, setup: Setup, read: ReadOptions,
 
 
 def each_document(command: str, documents: list, reader, parts, instruction, setup: Setup, read: ReadOptions,
-                  ranks, settings: dict) -> None:
+                  ranks, settings: dict, section: int = 0, combine: bool = False) -> None:
     """``--each``: every document read with a fresh cache and written about; one JSON row per document, which
-    records ``settings`` (what made it) in ``--rows``."""
+    records ``settings`` (what made it) in ``--rows``; ``section`` and ``combine``: summarize's sections."""
     from kvcli.corpus import run_corpus
     from kvcli.generate import document_tokens
     from kvcli.identity import rows_identity
@@ -279,14 +333,15 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
 
     def process(index: int, doc) -> tuple[dict, bool]:
         progress.start(Path(doc.name).name)
-        gen = reader.run(parts, document_tokens([doc], tokenizer), read.max_new_tokens, one_shot=read.one_shot,
-                         probe=read.probe)
+        gen, sections = write_about(reader, parts, instruction, document_tokens([doc], tokenizer), read, section,
+                                    combine)
         progress.done()
         return {"tokens": gen.document_tokens, "text": (primer + gen.text).strip(), "prompt_tokens": gen.prompt_tokens,
                 "generated_tokens": gen.generated_tokens, "finish_reason": gen.finish_reason,
                 "one_shot": gen.one_shot, "max_cache_tokens": gen.max_cache_tokens,
                 "kv_cache_bytes": gen.kv_cache_bytes, "kv_bits": reader.engine.kv_bits,
-                "seconds": gen.seconds}, gen.finish_reason != "interrupted"
+                "seconds": gen.seconds, **({"sections": len(sections)} if command == "summarize" else {})
+                }, gen.finish_reason != "interrupted"
 
     def show(row: dict) -> None:
         print_result(dumps(row))
@@ -315,7 +370,7 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
         raise typer.Exit(130)
 
 
-@with_reading(max_new_tokens=256)
+@with_reading(max_new_tokens=256, repetition=SUMMARY_REPETITION)
 @with_setup
 def summarize(
     ctx: typer.Context,
@@ -324,11 +379,17 @@ def summarize(
                                                "document.")] = None,
     template: Annotated[str | None, typer.Option("--template", help="A named instruction: summary (default), "
                                                  "tldr or keypoints.")] = None,
+    section: SectionOpt = SECTION_TOKENS,
     *,
     setup: Setup,
     read: ReadOptions,
 ) -> None:
-    """Read SOURCE (any length) through a fixed-size KV cache, then write a summary of it to stdout."""
+    """Read SOURCE (any length) through a fixed-size KV cache, then write a summary of it to stdout.
+
+    A document longer than --section tokens is summarized section by section as it streams, each section's
+    summary written to stdout in turn; with --template, --prompt or --answer-prefix the section summaries
+    (then on stderr) are read once more with that instruction, and that answer goes to stdout.
+    """
     from kvcli.prompts import TEMPLATES, custom_instruction
 
     if prompt is not None and template is not None:
@@ -342,11 +403,13 @@ def summarize(
         if name not in TEMPLATES:
             raise UsageError(f"unknown --template {name!r}; choose one of: {', '.join(TEMPLATES)}")
         instruction = dataclasses.replace(TEMPLATES[name], answer_prefix=read.answer_prefix)
+    # The default summary is the sections' own summaries in order; another instruction is applied to them.
+    combine = prompt is not None or (template or "summary") != "summary" or bool(read.answer_prefix)
     read_and_write(ctx, "summarize", source, instruction, setup, read,
-                   {"prompt": prompt} if prompt is not None else {"template": template or "summary"})
+                   {"prompt": prompt} if prompt is not None else {"template": template or "summary"}, section, combine)
 
 
-@with_reading(max_new_tokens=128, recap=RECAP_TOKENS)
+@with_reading(max_new_tokens=128, repetition=ANSWER_REPETITION, recap=RECAP_TOKENS)
 @with_setup
 def ask(
     ctx: typer.Context,
