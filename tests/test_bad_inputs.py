@@ -311,7 +311,8 @@ def test_a_reference_longer_than_the_tokens_asked_for_compares_over_its_first_on
     short = invoke("ppl", book, "-n", "128", "--method", "full", "--kl-base", ref, *common)
     assert short.exit_code == 0, short.stderr
     data = json.loads(short.stdout)
-    assert data["tokens"] == data["kl_tokens"] == 128 and data["kl_mean"] == 0.0 and data["same_top"] == 1.0
+    # the same logits, up to the rounding of the stored top-k against the tail's mass
+    assert data["tokens"] == data["kl_tokens"] == 128 and abs(data["kl_mean"]) < 1e-9 and data["same_top"] == 1.0
     # The records it did not compare are still read: a flipped bit after them is refused, not reported.
     damaged = tmp_path / "damaged.kvlogits"
     raw = bytearray(ref.read_bytes())
