@@ -128,6 +128,7 @@ class Generation:
     write_seconds: float = 0.0
     finish_reason: str = "length"  # "eos", "stop", "length" or "interrupted"
     recap_tokens: int = 0  # document tokens read a second time before the question (kvcli.recap)
+    sections: int = 0  # summaries written section by section (kvcli.sections): how many; 0 = one read
 
     @property
     def generated_tokens(self) -> int:

@@ -122,7 +122,7 @@ def summarize_in_sections(reader: Reader, instruction: Instruction, document: It
         start += len(ids)
         _add(spent, gen)
         written.ids.extend(gen.ids)
-        written.finish_reason = gen.finish_reason
+        written.finish_reason, written.kv_cache_bytes = gen.finish_reason, gen.kv_cache_bytes
         if gen.finish_reason == "interrupted":  # Ctrl-C: the answer is what the sections said so far
             if not stream:
                 if on_read:
@@ -135,9 +135,9 @@ def summarize_in_sections(reader: Reader, instruction: Instruction, document: It
     if combine and written.finish_reason != "interrupted":
         final = reader.run(parts, [encode(tokenizer, _joined(sections))], max_new_tokens, one_shot=one_shot,
                            probe=probe, on_text=on_text, on_read=on_read)
-        return _total(final, spent, start), sections
+        return _total(final, spent, start, len(sections)), sections
     written.text = SECTION_SEPARATOR.join(texts)  # what on_text was given
-    return _total(written, spent, start), sections
+    return _total(written, spent, start, len(sections)), sections
 
 
 def _joined(sections: list[Section]) -> str:
@@ -172,12 +172,14 @@ def _add(spent: Generation, gen: Generation) -> None:
     spent.write_seconds += gen.write_seconds
 
 
-def _total(final: Generation, spent: Generation, document_tokens: int) -> Generation:
-    """``final`` with the token counts and times of every pass before it, over ``document_tokens``."""
+def _total(final: Generation, spent: Generation, document_tokens: int, sections: int) -> Generation:
+    """``final`` with the token counts and times of every pass before it, over ``document_tokens`` read in
+    ``sections``."""
     _add(spent, final)
     final.prompt_tokens = spent.prompt_tokens
     final.max_cache_tokens = spent.max_cache_tokens
     final.read_seconds, final.write_seconds = spent.read_seconds, spent.write_seconds
     final.document_tokens = document_tokens
     final.one_shot = False
+    final.sections = sections
     return final

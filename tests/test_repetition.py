@@ -228,6 +228,8 @@ def test_summarize_in_sections_from_the_cli(invoke, tiny_model_dir, tmp_path):
     assert streamed.stdout.strip() == data["summary"]
     tldr = invoke("summarize", *common(tiny_model_dir, long_book), "--section", "120", "--template", "tldr")
     assert "section 1 (tokens 1-" in tldr.stderr and "section 2 (tokens" in tldr.stderr
+    assert f"in {len(starts)} sections, summarized one by one" in tldr.stderr
+    assert data["kv_cache_bytes"] > 0 and data["generated_tokens"] > 0
     one = json.loads(invoke("summarize", *common(tiny_model_dir, long_book), "--section", "0", "--json",
                             "--quiet").stdout)
     assert one["sections"] == [] and one["document_tokens"] == data["document_tokens"]

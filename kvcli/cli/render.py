@@ -132,6 +132,8 @@ def _short(value) -> str:
 def reading_summary(gen, loaded, method: str, budget: int | None, block: int, peak: int) -> str:
     """What ``summarize`` and ``ask`` report on stderr after writing."""
     mode = "one shot" if gen.one_shot else f"streamed in blocks of {block}"
+    if getattr(gen, "sections", 0):
+        mode = f"in {gen.sections} sections, summarized one by one"
     cache_text = "unbounded" if budget is None else f"{budget:,} tokens/layer"
     return (f"read {gen.prompt_tokens:,} prompt tokens ({mode}) in {gen.read_seconds:.1f} s · generated "
             f"{gen.generated_tokens:,} tokens in {gen.write_seconds:.1f} s ({gen.finish_reason})\n"
