@@ -12,7 +12,7 @@ ROOT = Path(kvcli.__file__).parent
 LAYERS = {
     "cli": 4, "__main__": 4, "lm_eval": 4,
     "perplexity": 3, "kl": 3, "generate": 3, "needle": 3, "bench": 3, "analysis": 3, "adapt": 3, "corpus": 3,
-    "checkpoint": 3, "needle_plot": 3, "recap": 3, "ruler": 3,
+    "checkpoint": 3, "needle_plot": 3, "recap": 3, "ruler": 3, "sections": 3,
     "models": 2, "text": 2, "documents": 2, "prompts": 2, "presets": 2, "paths": 2,
     "engine": 1, "methods": 1, "pod": 1, "cache": 1, "attention": 1, "architecture": 1, "quant": 1,
     "streaming": 1, "compression": 1, "positions": 1, "joined": 1, "rope": 1, "decode": 1, "scores": 1,
