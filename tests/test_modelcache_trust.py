@@ -610,7 +610,7 @@ def test_a_planted_lock_file_is_refused_and_its_target_untouched(tmp_path, invok
         args = ["ppl", book, "--model", "/no/such/model", "--checkpoint", folder, "--quiet"]
         flag = "--checkpoint"
     else:
-        args = ["adapt", "--model", "/no/such/model", "--data", book, "--tokens", 128, "--out", folder, "--quiet"]
+        args = ["adapt", "--model", "/no/such/model", "--data", book, "--tokens", 2048, "--out", folder, "--quiet"]
         flag = "--out"
     line = one_line(invoke(*args), 1)
     assert line.startswith(f"kvcli: error: {flag} {folder / '.kvcli.lock'} is ") and "remove it" in line, line
