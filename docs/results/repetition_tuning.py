@@ -9,7 +9,8 @@ Usage::
 book's question below), with treekv at cache 1,024 as in the issue, then writes from a copy of the cache with
 every setting of :data:`SETTINGS`: the same read, only the writing differs. ``sections`` summarizes the same
 text in one pass and in sections of each size (:mod:`kvcli.sections`), with the default repetition control,
-and checks which thirds of the text the summary mentions (:func:`coverage`). One JSON line per output.
+with a last pass over the section summaries (each row keeps the sections too), and checks which thirds of the
+text the summary mentions (:func:`coverage`). One JSON line per output.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def sections(loaded, book: str, text: str, text_ids: list[int], sizes: list[int]
                 gen, parts = None, cached[size]
                 summary = _final_only(reader, final, parts)
             else:
-                gen, parts = summarize_in_sections(reader, final, [text_ids], 256, section=size)
+                gen, parts = summarize_in_sections(reader, final, [text_ids], 256, section=size, combine=True)
                 summary = gen.text
                 cached[size] = parts
             print(json.dumps({"model": loaded.name, "book": key, "section": size, "final": final_name,
