@@ -10,7 +10,10 @@ another method, dtype, question or command are never mixed into a result.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from dataclasses import fields
 
+from kvcli.errors import KvcliError
 from kvcli.report import dumps
 
 #: The format of a row's ``run``: raised when a field changes meaning, so that older rows are refused, not misread.
@@ -38,3 +41,23 @@ def first_difference(old, new: dict) -> str | None:
     first = names[0]
     also = f"; also {', '.join(names[1:])}" if names[1:] else ""
     return f"its {first} is {old.get(first)!r}, this run's {new.get(first)!r}{also}"
+
+
+def resumed_trials(log, resume: bool, required: str, run: dict, record: type, name: str,
+                   also: Callable[[dict], str | None] | None = None) -> Iterator:
+    """The trials a rows file ``log`` (:class:`kvcli.outputs.RowLog`) holds when resuming, each read back as a
+    ``record`` dataclass. A row of another run (its ``run`` against ``run``, then ``also(row)``) or one that is no
+    ``name`` is refused in one line: a resume never mixes runs."""
+    for number, row in enumerate(log.start(resume, required=required), start=1):
+        where = f"{log.flag} {log.path} line {number}"
+        differs = first_difference(row.get("run"), run)
+        if differs is None and also is not None:
+            differs = also(row)
+        if differs is not None:
+            raise KvcliError(f"{where} is a trial of another run ({differs}): choose another {log.flag} file, "
+                             "or run without --resume to start over")
+        try:
+            yield record(**{f.name: row[f.name] for f in fields(record)})
+        except (KeyError, TypeError):
+            raise KvcliError(f"{where} is not a {name} of kvcli: remove it, or choose another {log.flag} "
+                             "file") from None

@@ -16,13 +16,13 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvcli.engine import Engine, check_budget
 from kvcli.errors import KvcliError, UsageError
 from kvcli.generate import Reader
-from kvcli.identity import as_json, first_difference
+from kvcli.identity import as_json, first_difference, resumed_trials
 from kvcli.kl import token_digest
 from kvcli.outputs import RowLog
 from kvcli.prompts import ANSWER_REPETITION, build_prompt, encode, question_frame, question_instruction, stop_token_ids
@@ -150,19 +150,12 @@ class TrialLog:
         self.run = as_json({**self.about, **run})  # compared with rows read back, whose tuples are lists
         params = as_json(params)
         done: dict[tuple, Trial] = {}
-        for number, row in enumerate(self.log.start(self.resume, required="trial"), start=1):
-            where = f"{self.FLAG} {self.log.path} line {number}"
-            differs = first_difference(row.get("run"), self.run)
-            if differs is None and row.get("method") in params:
-                differs = first_difference({"params": row.get("params")}, {"params": params[row["method"]]})
-            if differs is not None:
-                raise KvcliError(f"{where} is a trial of another run ({differs}): choose another {self.FLAG} file, "
-                                 "or run without --resume to start over")
-            try:
-                trial = Trial(**{f.name: row[f.name] for f in fields(Trial)})
-            except (KeyError, TypeError):
-                raise KvcliError(f"{where} is not a needle trial of kvcli: remove it, or choose another "
-                                 f"{self.FLAG} file") from None
+        def other_params(row: dict) -> str | None:
+            if row.get("method") not in params:
+                return None
+            return first_difference({"params": row.get("params")}, {"params": params[row["method"]]})
+
+        for trial in resumed_trials(self.log, self.resume, "trial", self.run, Trial, "needle trial", other_params):
             trial.correct = is_correct(trial.answer, trial.key)  # graded again: rows of an older grader count alike
             done[(trial.method, trial.length, trial.depth, trial.trial)] = trial
         if self.resume and self.note:

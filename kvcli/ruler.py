@@ -24,10 +24,10 @@ import string
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from kvcli.errors import KvcliError, UsageError
-from kvcli.identity import as_json, first_difference
+from kvcli.identity import as_json, resumed_trials
 from kvcli.needle import (
     SENTENCE_END,
     excerpt_offset,
@@ -448,17 +448,7 @@ class RulerLog:
     def open(self, run: dict, total: int) -> dict[tuple, Trial]:
         self.run = as_json({**self.about, **run})
         done: dict[tuple, Trial] = {}
-        for number, row in enumerate(self.log.start(self.resume, required="task"), start=1):
-            where = f"{self.FLAG} {self.log.path} line {number}"
-            differs = first_difference(row.get("run"), self.run)
-            if differs is not None:
-                raise KvcliError(f"{where} is a trial of another run ({differs}): choose another {self.FLAG} file, "
-                                 "or run without --resume to start over")
-            try:
-                trial = Trial(**{f.name: row[f.name] for f in fields(Trial)})
-            except (KeyError, TypeError):
-                raise KvcliError(f"{where} is not a ruler trial of kvcli: remove it, or choose another "
-                                 f"{self.FLAG} file") from None
+        for trial in resumed_trials(self.log, self.resume, "task", self.run, Trial, "ruler trial"):
             done[(trial.task, trial.length, trial.index, trial.method)] = trial
         if self.resume and self.note:
             self.note(f"took {len(done)} of {total} trials from {self.log.path}")
