@@ -53,7 +53,7 @@ __all__ = ["AnswerCache", "AnswerLayer", "EagerSteps", "EvictingCache", "Evictin
 
 #: Every fixed buffer's slots are a multiple of this, the unused ones masked out: cuBLAS runs a product whose
 #: inner size is not a multiple of 8 (a step's probabilities times ``T + 1`` values) on a slow fallback kernel
-#: (docs/benchmarks.md, "Decode: aligned slots").
+#: (docs/benchmarks.md, "Aligned slots").
 SLOT_MULTIPLE = 64
 
 

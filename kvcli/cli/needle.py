@@ -12,7 +12,9 @@ from kvcli.cli.options import (
     KvBitsOpt,
     MethodsOptionOpt,
     ReadBlockOpt,
+    ResumeTrialsOpt,
     Setup,
+    TrialRowsOpt,
     check_at_least,
     check_cache,
     check_seed,
@@ -68,11 +70,8 @@ def needle(
                                       "of length x depth; a plot already there is kept and the new one is "
                                       "needle-2.png (then -3, ...).")] = Path("needle"),
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw needle.png in --out.")] = True,
-    rows: Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per trial to this file as each "
-                                              "trial finishes (whole lines only, even after a kill).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run: take the trials already in "
-                                         "--rows and run the rest (refused if they came from another book, "
-                                         "model or setting).")] = False,
+    rows: TrialRowsOpt = None,
+    resume: ResumeTrialsOpt = False,
     *,
     setup: Setup,
 ) -> None:

@@ -23,6 +23,11 @@ from kvcli.errors import UsageError
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset name (smollm2-135m), Hugging Face id or "
                                        "local folder, or a .gguf file.")]
+TrialRowsOpt = Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per trial to this file as "
+                                                   "each trial finishes (whole lines only, even after a kill).")]
+ResumeTrialsOpt = Annotated[bool, typer.Option("--resume", help="Continue a killed run: take the trials already in "
+                                               "--rows and run the rest (refused if they came from another book, "
+                                               "model or setting).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 on CUDA and on CPUs with AMX/AVX512-BF16, "
                                        "else fp32), bfloat16, float16 or float32.")]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,7 +11,9 @@ from kvcli.cli.options import (
     KvBitsOpt,
     MethodsOptionOpt,
     ReadBlockOpt,
+    ResumeTrialsOpt,
     Setup,
+    TrialRowsOpt,
     check_at_least,
     check_cache,
     method_options,
@@ -60,11 +61,8 @@ def ruler(
     probe: ProbeOpt = True,
     recap: RecapOpt = RECAP_TOKENS,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every trial and the scores.")] = False,
-    rows: Annotated[Path | None, typer.Option("--rows", help="Append one JSON line per trial to this file as each "
-                                              "trial finishes (whole lines only, even after a kill).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run: take the trials already in "
-                                         "--rows and run the rest (refused if they came from another book, "
-                                         "model or setting).")] = False,
+    rows: TrialRowsOpt = None,
+    resume: ResumeTrialsOpt = False,
     *,
     setup: Setup,
 ) -> None:
