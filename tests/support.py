@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kvcli.cache import AttentionRecord, KVCache, LayerView
+from kvcli.kv.cache import AttentionRecord, KVCache, LayerView
 
 
 def make_cache(num_layers: int = 1, kv_heads: int = 2, head_dim: int = 8) -> KVCache:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvcli.analysis import (
+from kvcli.eval.analysis import (
     AttentionSample,
     attention_profile,
     bin_edges,
@@ -27,7 +27,7 @@ from kvcli.analysis import (
     spearman,
     wavelet_magnitudes,
 )
-from kvcli.models import tiny_llama
+from kvcli.models.load import tiny_llama
 
 R2 = math.sqrt(2.0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.attention import explicit_attention, window_attention
+from kvcli.kv.attention import explicit_attention, window_attention
 from kvcli.methods.base import recent_and_sinks, select_top
 
 
@@ -55,7 +55,7 @@ def test_bf16_cpu_scores_keep_the_same_tokens_as_an_fp32_reference():
 def test_cuda_blocks_and_generated_tokens_match_the_explicit_attention(queries, cached):
     """On CUDA a block against a cache is causal aligned to its last key (the flash kernel, no boolean mask):
     the same output and window scores as the explicit path's block-causal mask, GQA included."""
-    from kvcli.attention import sdpa_attention
+    from kvcli.kv.attention import sdpa_attention
 
     generator = torch.Generator().manual_seed(queries + cached)
     q = torch.randn(1, 8, queries, 64, generator=generator)
@@ -70,10 +70,10 @@ def test_cuda_blocks_and_generated_tokens_match_the_explicit_attention(queries, 
 def _stream_on_the_sdpa_path(name: str, ids: torch.Tensor, question: torch.Tensor, dtype: torch.dtype) -> list:
     """What a stream leaves on the GPU's attention path (forced on the CPU): each block's last hidden state, then
     every layer's kept tokens and keys; blocks scored by the block's own window, by a probe, and a nested read."""
-    from kvcli.attention import sdpa_everywhere
-    from kvcli.engine import Engine
+    from kvcli.engine.engine import Engine
+    from kvcli.kv.attention import sdpa_everywhere
     from kvcli.methods import make_method
-    from kvcli.models import tiny_llama
+    from kvcli.models.load import tiny_llama
 
     model = tiny_llama(num_layers=4, hidden=64, heads=4, kv_heads=2, seed=0).to(dtype)
     engine = Engine(model, make_method(name), 48, block=24)
@@ -93,16 +93,17 @@ def _stream_on_the_sdpa_path(name: str, ids: torch.Tensor, question: torch.Tenso
 @pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "treekv", "h2o", "tova", "pyramidinfer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_window_scores_batched_across_layers_are_each_layers_own(name, dtype, monkeypatch):
-    """On the SDPA path the layers' window softmaxes wait and run as one batch (kvcli.scores): every kept token,
+    """On the SDPA path the layers' window softmaxes wait and run as one batch (kvcli.kv.scores): every kept token,
     key and hidden state is what each layer's own softmax at once gives, bit for bit, in one batch or several."""
-    import kvcli.engine
-    from kvcli import scores
+    import kvcli.engine.engine
+    from kvcli.kv import scores
 
     generator = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 128, (24 * 8,), generator=generator)
     question = torch.randint(0, 128, (6,), generator=generator)
     waited = []
-    monkeypatch.setattr(kvcli.engine, "settle", lambda cache: (waited.append(len(cache.waiting)), scores.settle(cache)))
+    monkeypatch.setattr(kvcli.engine.engine, "settle",
+                        lambda cache: (waited.append(len(cache.waiting)), scores.settle(cache)))
     batched = _stream_on_the_sdpa_path(name, ids, question, dtype)
     assert max(waited) == 4  # every layer's window waited for one batch
     monkeypatch.setattr(scores, "STACK_SCORES", 1)  # one layer a batch
@@ -114,19 +115,20 @@ def test_window_scores_batched_across_layers_are_each_layers_own(name, dtype, mo
 
 
 def test_the_cpu_does_not_wait_for_window_scores(monkeypatch):
-    """On the CPU every window is softmaxed in its layer's attention: nothing waits (kvcli.scores) outside
-    :func:`kvcli.attention.sdpa_everywhere`, the long one-shot prefills that take SDPA there included."""
-    import kvcli.engine
-    from kvcli import scores
-    from kvcli.engine import Engine
+    """On the CPU every window is softmaxed in its layer's attention: nothing waits (kvcli.kv.scores) outside
+    :func:`kvcli.kv.attention.sdpa_everywhere`, the long one-shot prefills that take SDPA there included."""
+    import kvcli.engine.engine
+    from kvcli.engine.engine import Engine
+    from kvcli.kv import scores
     from kvcli.methods import make_method
-    from kvcli.models import tiny_llama
+    from kvcli.models.load import tiny_llama
 
     model = tiny_llama(num_layers=2, hidden=32, heads=4, kv_heads=2, seed=0)
     engine = Engine(model, make_method("snapkv"), 48, block=24)
     cache = engine.new_cache()
     waited = []
-    monkeypatch.setattr(kvcli.engine, "settle", lambda cache: (waited.append(len(cache.waiting)), scores.settle(cache)))
+    monkeypatch.setattr(kvcli.engine.engine, "settle",
+                        lambda cache: (waited.append(len(cache.waiting)), scores.settle(cache)))
     engine.forward(cache, torch.randint(0, 128, (1, 1100)), question=8)  # a one-shot prefill: SDPA on the CPU
     engine.forward(cache, torch.randint(0, 128, (1, 24)))
     assert waited == [0, 0]

@@ -131,7 +131,7 @@ def test_rows_of_another_question_or_command_are_refused(invoke, tiny_model_dir,
 def test_a_rows_file_or_bench_folder_in_use_refuses_a_second_run(invoke, book, tmp_path):
     import fcntl
 
-    from kvcli.outputs import LOCK_FILE
+    from kvcli.io.outputs import LOCK_FILE
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("")
@@ -326,7 +326,7 @@ def test_a_cuda_device_beyond_the_machines_is_one_line(monkeypatch):
     import torch
 
     from kvcli.errors import KvcliError
-    from kvcli.models import resolve_device
+    from kvcli.models.load import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-import kvcli.bench.grid
-import kvcli.bench.plots
-from kvcli.bench import RunSpec, plan_grid, plot_results, smooth_curve
+import kvcli.eval.bench.grid
+import kvcli.eval.bench.plots
+from kvcli.eval.bench import RunSpec, plan_grid, plot_results, smooth_curve
 
 RUN_KEYS = {"model", "source", "method", "params", "cache", "block", "tokens", "nll", "ppl", "bits_per_byte", "bytes",
             "kv_cache_bytes", "full_kv_cache_bytes", "max_cache_tokens", "peak_memory_bytes", "seconds",
@@ -76,7 +76,7 @@ def test_rerun_skips_finished_runs_without_measuring(invoke, tiny_model_dir, ali
     def fail(*args, **kwargs):
         raise AssertionError("a finished run was measured again")
 
-    monkeypatch.setattr(kvcli.bench.grid, "measure", fail)
+    monkeypatch.setattr(kvcli.eval.bench.grid, "measure", fail)
     result = invoke("bench", *grid_args(tiny_model_dir, alice, out, "--json"))
     assert result.exit_code == 0
     assert "skipping 5 finished runs" in result.stderr
@@ -127,7 +127,7 @@ def test_interrupted_grid_keeps_finished_runs_and_resumes(invoke, tiny_model_dir
     out = tmp_path / "out"
     args = [alice, "--model", str(tiny_model_dir), "--methods", "streamingllm,tova", "--cache", "32,64", "--block",
             "16", "--max-tokens", "120", "--out", str(out), "--no-plots"]
-    real_measure = kvcli.bench.grid.measure
+    real_measure = kvcli.eval.bench.grid.measure
     calls = []
 
     def interrupted_third(*a, **kw):  # what the engine reports when Ctrl-C lands in the third run
@@ -136,7 +136,7 @@ def test_interrupted_grid_keeps_finished_runs_and_resumes(invoke, tiny_model_dir
         totals.interrupted = len(calls) == 3
         return totals, peak
 
-    monkeypatch.setattr(kvcli.bench.grid, "measure", interrupted_third)
+    monkeypatch.setattr(kvcli.eval.bench.grid, "measure", interrupted_third)
     result = invoke("bench", *args)
     assert result.exit_code == 130
     assert "interrupted" in result.stdout and "streamingllm" in result.stdout and "tova" not in result.stdout
@@ -144,7 +144,7 @@ def test_interrupted_grid_keeps_finished_runs_and_resumes(invoke, tiny_model_dir
     assert [(r["method"], r["cache"]) for r in first] == [("streamingllm", 32), ("streamingllm", 64)]
     assert not list(out.glob(".*tmp"))
 
-    monkeypatch.setattr(kvcli.bench.grid, "measure", real_measure)
+    monkeypatch.setattr(kvcli.eval.bench.grid, "measure", real_measure)
     result = invoke("bench", *args)
     assert result.exit_code == 0 and "skipping 2 finished runs" in result.stderr
     runs = json.loads((out / "results.json").read_text())["runs"]
@@ -196,7 +196,7 @@ def test_bad_input_is_one_line_before_loading_the_model(invoke, args, message, c
 
 def test_an_install_without_matplotlib_warns_once_and_writes_results(invoke, tiny_model_dir, alice, tmp_path,
                                                                      monkeypatch):
-    monkeypatch.setattr("kvcli.plots.have_matplotlib", lambda: False)
+    monkeypatch.setattr("kvcli.io.plots.have_matplotlib", lambda: False)
     out = tmp_path / "out"
     result = invoke("bench", alice, "--model", str(tiny_model_dir), "--methods", "streamingllm", "--cache", "32",
                     "--block", "16", "--max-tokens", "50", "--out", str(out))
@@ -232,6 +232,6 @@ def test_plots_of_runs_from_different_settings(tmp_path):
     paths = plot_results(results, tmp_path)
     assert [p.name for p in paths] == ["ppl_vs_cache.png", "nll_vs_position.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
-    lines, common = kvcli.bench.plots._series(results["runs"])
+    lines, common = kvcli.eval.bench.plots._series(results["runs"])
     assert set(lines) == {"full · a", "streamingllm · a", "streamingllm · b"}
     assert "64 tokens" in common

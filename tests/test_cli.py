@@ -118,7 +118,7 @@ def test_both_module_entry_points_list_every_command(module):
 
 
 def test_block_auto_is_the_devices_default_and_bad_blocks_are_refused(invoke, tiny_model_dir, book):
-    from kvcli.engine import default_block
+    from kvcli.engine.engine import default_block
 
     assert default_block("cpu") == 256 and default_block("cuda") > default_block("cpu")
     common = ["ppl", str(book), "--model", str(tiny_model_dir), "--cache", "64", "--max-tokens", "40", "--quiet"]

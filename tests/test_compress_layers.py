@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.cache import AttentionRecord, LayerView
+from kvcli.kv.cache import AttentionRecord, LayerView
 from kvcli.methods import make_method
 from kvcli.methods.base import Method
 from tests.support import append_tokens, make_cache
@@ -89,7 +89,7 @@ def test_layers_that_differ_are_compressed_apart():
 @pytest.mark.parametrize("name", SCORED)
 def test_engine_streams_alike_batched_or_not(tiny, name, monkeypatch):
     """Through the engine (real attention records): the batched compression gives the same NLL and cache."""
-    from kvcli.engine import Engine
+    from kvcli.engine.engine import Engine
 
     ids = torch.randint(0, 128, (150,), generator=torch.Generator().manual_seed(3)).tolist()
 

@@ -144,7 +144,7 @@ def test_each_writes_one_json_line_per_document(invoke, tiny_model_dir, tmp_path
 
 
 def test_shard_deals_longest_first_to_the_least_loaded_rank():
-    from kvcli.corpus import shard
+    from kvcli.io.corpus import shard
 
     sizes = [5, 90, 10, 40, 50, 7]
     shares = shard(sizes, 2)

@@ -1,11 +1,12 @@
-"""The static decode step (kvcli.decode) against the engine's own: the same tokens, the same cache after."""
+"""The static decode step (kvcli.kv.decode) against the engine's own: the same tokens, the same cache after."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcli.decode import (
+from kvcli.engine.engine import Engine
+from kvcli.kv.decode import (
     AnswerCache,
     EagerSteps,
     EvictingCache,
@@ -15,9 +16,8 @@ from kvcli.decode import (
     graph_capturable,
     masked_attention,
 )
-from kvcli.engine import Engine
 from kvcli.methods import make_method
-from kvcli.models import tiny_llama
+from kvcli.models.load import tiny_llama
 
 STEPS = 12
 LAYOUTS = {"streamingllm": RingCache, "treekv": EvictingCache, "h2o": EvictingCache, "tova": EvictingCache}

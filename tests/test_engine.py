@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from support import append_tokens, make_cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvcli.cache import rotate_keys
-from kvcli.engine import Engine, blocks_of
+from kvcli.engine.engine import Engine, blocks_of
+from kvcli.kv.cache import rotate_keys
 from kvcli.methods import make_method
-from kvcli.models import tiny_llama
-from kvcli.pod.groups import GroupsFile
+from kvcli.methods.pod.groups import GroupsFile
+from kvcli.models.load import tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +180,8 @@ def test_cache_support_helpers_append():
 def test_long_prefill_uses_the_causal_kernel_with_the_same_output_and_window(monkeypatch):
     """A prefill into an empty cache switches from the explicit attention to SDPA's causal kernel past
     CAUSAL_KERNEL_FROM queries; the output and the recorded window must not change."""
-    from kvcli import attention
-    from kvcli.cache import KVCache
+    from kvcli.kv import attention
+    from kvcli.kv.cache import KVCache
 
     torch.manual_seed(0)
     query = torch.randn(1, 4, 40, 8)

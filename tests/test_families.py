@@ -29,13 +29,13 @@ from transformers import (
     Qwen3Config,
 )
 
-from kvcli.architecture import describe
-from kvcli.attention import ATTENTION_NAME, register_attention
-from kvcli.cache import rotate_keys
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
 from kvcli.errors import UnsupportedModelError
+from kvcli.kv.architecture import describe
+from kvcli.kv.attention import ATTENTION_NAME, register_attention
+from kvcli.kv.cache import rotate_keys
 from kvcli.methods import METHODS, make_method
-from kvcli.pod.groups import GroupsFile, ModelShape
+from kvcli.methods.pod.groups import GroupsFile, ModelShape
 
 VOCAB = 128
 WINDOW = 16  # small enough that every stream below leaves it many times
@@ -113,7 +113,7 @@ def eager_nll(model, ids: torch.Tensor) -> float:
 
 
 def layer_windows(config) -> list[int | None]:
-    """Each layer's window as the modeling code passes it (read here independently of kvcli.architecture)."""
+    """Each layer's window as the modeling code passes it (read here independently of kvcli.kv.architecture)."""
     types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     if types is None:
@@ -307,10 +307,10 @@ def test_window_layers_cost_no_budget_and_the_bytes_drop(models):
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 def test_soft_capping_and_sinks_keep_the_engines_decode_step(family):
-    """The static decode step (kvcli.decode) computes a plain softmax only: Gemma 2's soft-capped logits and
+    """The static decode step (kvcli.kv.decode) computes a plain softmax only: Gemma 2's soft-capped logits and
     GPT-OSS's learned sinks write with the engine's step, here with every layer full (no window layer, which
     would keep it anyway)."""
-    from kvcli.decode import EagerSteps, answer_steps
+    from kvcli.kv.decode import EagerSteps, answer_steps
 
     register_attention()
     torch.manual_seed(0)

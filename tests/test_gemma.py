@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcli.architecture import describe
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
+from kvcli.kv.architecture import describe
 from kvcli.methods import make_method
 
 pytestmark = pytest.mark.slow
@@ -59,9 +59,9 @@ def test_compressing_methods_keep_windows_and_budget(gemma, alice, name):
 def test_summarize_streams_a_document_and_writes_within_budget(gemma, books, name):
     """`kvcli summarize` with Gemma 3: a document read in blocks (3k tokens, cache 256, the chat template's
     end-of-turn stops it), every budgeted layer within budget while reading and writing."""
-    from kvcli.documents import open_source
-    from kvcli.generate import Reader, document_tokens
-    from kvcli.prompts import TEMPLATES, build_prompt, stop_token_ids
+    from kvcli.io.documents import open_source
+    from kvcli.reading.generate import Reader, document_tokens
+    from kvcli.reading.prompts import TEMPLATES, build_prompt, stop_token_ids
 
     engine = Engine(gemma.model, make_method(name), 256, block=256)
     tokenizer = gemma.tokenizer

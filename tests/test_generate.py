@@ -8,13 +8,13 @@ import copy
 import pytest
 import torch
 
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
 from kvcli.errors import UsageError
-from kvcli.generate import Generation, Reader, TextStream
+from kvcli.eval.needle import NEEDLE, excerpt_offset, haystack, haystacks, is_correct, sentence_break, word_break
 from kvcli.methods import METHODS, make_method
-from kvcli.models import tiny_llama
-from kvcli.needle import NEEDLE, excerpt_offset, haystack, haystacks, is_correct, sentence_break, word_break
-from kvcli.prompts import (
+from kvcli.models.load import tiny_llama
+from kvcli.reading.generate import Generation, Reader, TextStream
+from kvcli.reading.prompts import (
     ASK_FRAME,
     TEMPLATES,
     Instruction,
@@ -175,13 +175,13 @@ def test_cache_never_exceeds_the_budget_while_reading_and_writing(model, name, o
     read_end = read_calls[-1]["lengths"]
     if method.keeps_answer:
         # SnapKV and PyramidKV keep their answer: the cache grows by the generated tokens and by nothing
-        # else, written by the static steps (kvcli.decode), not by engine forwards (the last token needs none).
+        # else, written by the static steps (kvcli.kv.decode), not by engine forwards (the last token needs none).
         assert not decode_calls
         assert gen.max_cache_tokens == max(read_end) + 29
         return
     if method.evicts_oldest_while_writing or method.step_eviction(48, [{}], 1, engine.device) is not None:
         # StreamingLLM writes in a ring of its window; TreeKV, H2O and TOVA evict a token a step in fixed buffers
-        # (kvcli.decode): never more than the budget.
+        # (kvcli.kv.decode): never more than the budget.
         assert not decode_calls
         assert gen.max_cache_tokens == max(engine.budgets) == max(read_end)
         return
@@ -282,7 +282,7 @@ def test_haystack_hides_the_needle_at_its_depth(smol_tokenizer):
 def test_varied_haystacks_hide_their_own_needle_at_a_word_boundary(smol_tokenizer):
     """By default each haystack draws its needle, question and key length, and the needle sits between two
     words of the book wherever its depth falls, sentence end or not."""
-    from kvcli.needle import KEY_DIGITS, NEEDLES, QUESTIONS
+    from kvcli.eval.needle import KEY_DIGITS, NEEDLES, QUESTIONS
 
     tokens = encode(smol_tokenizer, DOC * 40)
     stacks = list(haystacks(smol_tokenizer, tokens, [300], [0.2, 0.5, 0.8], trials=4, seed=3))
@@ -353,10 +353,10 @@ def one_thread():
 
 def test_pass_key_from_a_real_book_excerpt(smollm, books, one_thread):
     """The default model finds a key hidden in a ~1.5k-token excerpt, read one-shot and compressed to 512."""
-    from kvcli.documents import open_source
-    from kvcli.generate import Reader
-    from kvcli.needle import ANSWER_PREFIX, QUESTION, book_tokens
-    from kvcli.prompts import question_instruction
+    from kvcli.eval.needle import ANSWER_PREFIX, QUESTION, book_tokens
+    from kvcli.io.documents import open_source
+    from kvcli.reading.generate import Reader
+    from kvcli.reading.prompts import question_instruction
 
     tokenizer = smollm.tokenizer
     method = "snapkv" if "snapkv" in METHODS else "full"
@@ -374,7 +374,7 @@ def test_pass_key_from_a_real_book_excerpt(smollm, books, one_thread):
 def test_answer_prefix_ends_where_the_key_starts_in_the_needle(smollm):
     """The pass-key prompt ends with the same tokens that precede the key in the needle ("is", " "),
     so the model's next token is the key's first digit when it finds the needle (see needle.ANSWER_PREFIX)."""
-    from kvcli.needle import ANSWER_PREFIX, QUESTION
+    from kvcli.eval.needle import ANSWER_PREFIX, QUESTION
 
     tokenizer = smollm.tokenizer
     needle = encode(tokenizer, NEEDLE.format(key="60494"))
@@ -386,7 +386,7 @@ def test_answer_prefix_ends_where_the_key_starts_in_the_needle(smollm):
 
 def test_wilson_interval_matches_known_values():
     """Reference values: Newcombe (1998), Table I, and Brown, Cai and DasGupta (2001), 95% Wilson intervals."""
-    from kvcli.needle import wilson_interval
+    from kvcli.eval.needle import wilson_interval
 
     cases = {(81, 263): (0.2553, 0.3662), (15, 148): (0.0624, 0.1605), (0, 20): (0.0, 0.1611),
              (1, 29): (0.0061, 0.1718), (20, 20): (0.8389, 1.0), (10, 20): (0.2993, 0.7007)}
@@ -401,8 +401,8 @@ def test_one_shot_cap_follows_the_gpus_free_memory():
     a CPU keeps its fixed cap."""
     from types import SimpleNamespace
 
-    from kvcli.bench.speed import shape_config
-    from kvcli.generate import ONE_SHOT_CAP, one_shot_cap, one_shot_limit, prefill_bytes_per_token
+    from kvcli.eval.bench.speed import shape_config
+    from kvcli.reading.generate import ONE_SHOT_CAP, one_shot_cap, one_shot_limit, prefill_bytes_per_token
 
     config = shape_config("llama-3.1-8b")
     weights = torch.nn.Linear(1, 1, dtype=torch.bfloat16, device="meta")
@@ -458,7 +458,7 @@ def test_a_scored_method_keeps_the_question_up_to_half_its_room():
     keeps only 12 beside its sinks keeps 6 of them (half) and leaves the rest to the selection."""
     from support import append_tokens, make_cache
 
-    from kvcli.cache import AttentionRecord, LayerView
+    from kvcli.kv.cache import AttentionRecord, LayerView
 
     method = make_method("snapkv", {"window": 4, "kernel": 1})
     for budget, kept_question in ((40, 10), (12, 6)):
@@ -480,7 +480,7 @@ def held_tail(budget: int, held: int, mean: int | None = None) -> int:
     contiguous."""
     from support import append_tokens, make_cache
 
-    from kvcli.cache import AttentionRecord, LayerView
+    from kvcli.kv.cache import AttentionRecord, LayerView
 
     method = make_method("snapkv", {"window": 4, "kernel": 1})
     cache = make_cache(num_layers=1, kv_heads=1)

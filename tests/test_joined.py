@@ -1,4 +1,4 @@
-"""Layers joined along the token axis (``kvcli.joined``, issue #27) give exactly what each layer gives alone:
+"""Layers joined along the token axis (``kvcli.kv.joined``, issue #27) give exactly what each layer gives alone:
 the same rotated keys and the same kept tokens, bit for bit, whatever the layers' lengths."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli import joined
-from kvcli.cache import KVCache, rotate_keys
+from kvcli.kv import joined
+from kvcli.kv.cache import KVCache, rotate_keys
+from kvcli.kv.quant import QuantizedTokens
 from kvcli.methods import make_method
-from kvcli.quant import QuantizedTokens
 from tests.support import make_cache
 
 HEADS, DIM = 2, 8
@@ -103,7 +103,7 @@ def test_a_quantized_cache_keeps_layer_by_layer():
 def test_engine_streams_the_same_joined_or_layer_by_layer(tiny, name, monkeypatch):
     """Through the engine: joining layers changes no NLL and no kept token (every batch one layer against all
     layers in one), and a forward leaves no rotated keys behind."""
-    from kvcli.engine import Engine
+    from kvcli.engine.engine import Engine
 
     ids = torch.randint(0, 128, (170,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -156,7 +156,7 @@ def test_heads_apart_rotate_to_the_union_positions_joined_or_alone():
 
 
 def test_heads_apart_only_for_methods_whose_heads_choose_apart_within_the_context(tiny):
-    from kvcli.engine import Engine
+    from kvcli.engine.engine import Engine
 
     assert Engine(tiny, make_method("snapkv"), 48, 16).new_cache().heads_apart
     assert Engine(tiny, make_method("treekv"), 48, 16).new_cache().heads_apart

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import TEXT
 
-from kvcli.kl import KLMeter, LogitsWriter, Reference
+from kvcli.eval.kl import KLMeter, LogitsWriter, Reference
 
 
 def ppl(invoke, model_dir, source, *args):
@@ -51,10 +51,10 @@ def test_a_compressed_run_diverges_from_full(invoke, tiny_model_dir, folder, tmp
 
 
 def test_cache_256_diverges_more_than_1024_on_the_default_model(smollm, books, tmp_path):
-    from kvcli.documents import open_source
-    from kvcli.engine import Engine
+    from kvcli.engine.engine import Engine
+    from kvcli.io.documents import open_source
+    from kvcli.io.text import first_tokens
     from kvcli.methods import make_method
-    from kvcli.text import first_tokens
 
     ids, _ = first_tokens(open_source(str(books / "pg11-alice-in-wonderland.txt")), smollm.tokenizer, 1537)
     vocab = smollm.model.config.vocab_size

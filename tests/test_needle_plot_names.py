@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcli.errors import KvcliError
-from kvcli.needle_plot import claim_unused
+from kvcli.eval.needle_plot import claim_unused
 
 
 def test_the_first_free_name_is_claimed(tmp_path):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.bench.ops import count_ops, plain_block_ops
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
+from kvcli.eval.bench.ops import count_ops, plain_block_ops
 from kvcli.methods import make_method
-from kvcli.models import tiny_llama
+from kvcli.models.load import tiny_llama
 
 BUDGET, BLOCK = 64, 32
 
@@ -24,7 +24,7 @@ BOUNDS = {"streamingllm": 1.22, "snapkv": 1.37, "pyramidkv": 1.45, "treekv": 1.5
 
 #: At SmolLM2-135M's layer count and heads (30 layers, 9 query / 3 KV heads), cache 512, block 256: the
 #: shape issue #27 measures. Operation counts do not depend on the hidden width, so a narrow model gives the
-#: real shape's counts (1,872 for the plain forward, as ``python -m kvcli.bench.ops`` prints) in a second.
+#: real shape's counts (1,872 for the plain forward, as ``python -m kvcli.eval.bench.ops`` prints) in a second.
 #: The issue asks at most 1.3x of every method (PoD: the test after this one).
 REAL_SHAPE_BOUNDS = {"streamingllm": 1.15, "snapkv": 1.22, "pyramidkv": 1.25, "treekv": 1.25, "h2o": 1.22,
                      "tova": 1.23, "pyramidinfer": 1.3}
@@ -51,7 +51,7 @@ def real_shape_ratios(methods: dict) -> dict:
     """Issue #27's measure for each of ``methods`` (name -> a function of the model that makes the method): its
     block's operations against the plain forward's, at cache 512 and block 256, and its host reads, at
     SmolLM2-135M's layer count and heads."""
-    from kvcli.bench.ops import engine_block_ops
+    from kvcli.eval.bench.ops import engine_block_ops
 
     model = tiny_llama(num_layers=30, hidden=72, heads=9, kv_heads=3, seed=0)
     model.config.max_position_embeddings = 8192
@@ -72,14 +72,14 @@ def test_operations_per_block_at_smollm2s_layer_count():
     assert all(ratios[name] <= bound for name, bound in REAL_SHAPE_BOUNDS.items()), ratios
 
 
-#: The same measure on the SDPA path every GPU block takes (kvcli.attention.sdpa_everywhere), where each layer's
-#: window scores are a matmul of their own and their softmax waits to be batched across layers (kvcli.scores).
+#: The same measure on the SDPA path every GPU block takes (kvcli.kv.attention.sdpa_everywhere), where each layer's
+#: window scores are a matmul of their own and their softmax waits to be batched across layers (kvcli.kv.scores).
 #: PyramidKV's layers differ in length, so its windows are softmaxed layer by layer.
 SDPA_PATH_BOUNDS = {"streamingllm": 0.97, "snapkv": 1.09, "pyramidkv": 1.18, "treekv": 1.12, "tova": 1.1}
 
 
 def test_operations_per_block_on_the_gpus_attention_path():
-    from kvcli.attention import sdpa_everywhere
+    from kvcli.kv.attention import sdpa_everywhere
 
     with sdpa_everywhere():
         ratios = {name: ratio for name, (ratio, _) in real_shape_ratios(
@@ -92,8 +92,8 @@ def test_pod_operations_per_block_at_smollm2s_layer_count(options, bound, monkey
     """PoD with the default model's shipped groups: at most 1.3x with its default window, where every cached
     token of the counted block is still proximal, and 1.36x with ``recent=128``, where distant tokens are
     scored with the lead's keys and leave the other heads' proximal keys every block (docs/benchmarks.md)."""
-    from kvcli.pod import attention
-    from kvcli.pod.groups import GroupsFile, ModelShape, shipped_groups
+    from kvcli.methods.pod import attention
+    from kvcli.methods.pod.groups import GroupsFile, ModelShape, shipped_groups
 
     monkeypatch.setattr(attention, "CHECKS", False)  # the suite's bookkeeping self-checks are not counted
     shipped = next(groups for groups in shipped_groups() if groups.model == "smollm2-135m")
@@ -148,7 +148,7 @@ def test_a_block_read_from_host_memory_does_not_wait_for_the_gpu():
 def test_blocks_of_cuts_one_long_chunk_exactly():
     """A long stream in one chunk, cut from an offset (the rest is no longer re-sliced after every block):
     every token once, in order, the short block last."""
-    from kvcli.engine import blocks_of
+    from kvcli.engine.engine import blocks_of
 
     tokens = list(range(100_003))
     blocks = list(blocks_of([tokens], 1000))
@@ -174,7 +174,7 @@ def test_lagged_host_reads_give_the_same_totals_and_block_stats():
 
 
 def test_window_attention_in_chunks_equals_one_softmax(monkeypatch):
-    from kvcli import attention
+    from kvcli.kv import attention
 
     generator = torch.Generator().manual_seed(3)
     query = torch.randn(1, 4, 40, 8, generator=generator)
@@ -197,7 +197,7 @@ def test_h2o_one_shot_window_memory_is_bounded():
 
     script = (
         "import resource, torch\n"
-        "from kvcli.attention import window_attention\n"
+        "from kvcli.kv.attention import window_attention\n"
         "q, k = torch.randn(1, 4, 12000, 8), torch.randn(1, 2, 12000, 8)\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "window_attention(q, k, 0.35, 12000)\n"
@@ -210,8 +210,8 @@ def test_h2o_one_shot_window_memory_is_bounded():
 def test_a_pod_block_reads_nothing_from_the_device(monkeypatch):
     """PoD's block (shared attention, distant keys freed) reads no device value: its head lists are Python
     ints and its bookkeeping self-checks, which read, are off outside the test suite."""
-    from kvcli.pod import attention
-    from kvcli.pod.groups import GroupsFile, ModelShape
+    from kvcli.methods.pod import attention
+    from kvcli.methods.pod.groups import GroupsFile, ModelShape
 
     monkeypatch.setattr(attention, "CHECKS", False)
     model = tiny_llama(num_layers=4, hidden=64, heads=4, kv_heads=2, seed=0)

@@ -10,14 +10,13 @@ import math
 import pytest
 import torch
 
-from kvcli.analysis.calibrate import calibrate, sample_sequences
-from kvcli.attention import explicit_attention
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
 from kvcli.errors import UsageError
+from kvcli.eval.analysis.calibrate import calibrate, sample_sequences
+from kvcli.kv.attention import explicit_attention
 from kvcli.methods import METHODS, make_method
 from kvcli.methods.full import Full
-from kvcli.models import tiny_llama
-from kvcli.pod.attention import (
+from kvcli.methods.pod.attention import (
     SEQUENCE_ATTENTION,
     SHARED_KWARG,
     SharedForward,
@@ -26,8 +25,16 @@ from kvcli.pod.attention import (
     register_sequence_attention,
     shared_attention,
 )
-from kvcli.pod.cache import PodCache
-from kvcli.pod.groups import GroupsFile, ModelShape, groups_from_similarity, resolve, shipped_for, shipped_groups
+from kvcli.methods.pod.cache import PodCache
+from kvcli.methods.pod.groups import (
+    GroupsFile,
+    ModelShape,
+    groups_from_similarity,
+    resolve,
+    shipped_for,
+    shipped_groups,
+)
+from kvcli.models.load import tiny_llama
 
 # --- Eq. 3-4, literally ----------------------------------------------------------------------------------
 
@@ -353,8 +360,8 @@ def test_groups_from_similarity_follow_the_vote_and_algorithm_1():
 
 
 def test_calibrate_on_a_tiny_model(tmp_path, smol_tokenizer, tiny_model_dir):
-    from kvcli.documents import open_source
-    from kvcli.models import load_model
+    from kvcli.io.documents import open_source
+    from kvcli.models.load import load_model
 
     book = tmp_path / "book.txt"
     book.write_text(" ".join(f"word{i % 97} and more text" for i in range(2000)))
@@ -431,7 +438,7 @@ def test_equal_bytes_budget_keeps_more_tokens_in_no_more_bytes():
 
 
 def test_budget_for_bytes_gives_pod_selection_more_tokens_in_the_same_bytes():
-    from kvcli.engine import budget_for_bytes, kv_bytes_per_token
+    from kvcli.engine.engine import budget_for_bytes, kv_bytes_per_token
 
     model = tiny()
     nbytes = 48 * kv_bytes_per_token(model, torch.float32) + 5  # a few bytes short of 49 tokens
@@ -507,9 +514,9 @@ def test_pod_default_window_fits_the_default_cache_with_a_selection():
 
 
 def test_adapt_trains_resumes_and_saves_a_folder_pod_loads(tmp_path, tiny_model_dir):
-    from kvcli.adapt import STATE_FILE, adapt
-    from kvcli.documents import open_source
-    from kvcli.models import load_model
+    from kvcli.io.documents import open_source
+    from kvcli.methods.pod.adapt import STATE_FILE, adapt
+    from kvcli.models.load import load_model
 
     book = tmp_path / "book.txt"
     book.write_text(" ".join(f"word{i % 53} then text" for i in range(1500)))

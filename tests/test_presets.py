@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcli.errors import UsageError
-from kvcli.presets import builtin_dirs, find_preset, list_presets, merge, parse, user_dir
+from kvcli.models.presets import builtin_dirs, find_preset, list_presets, merge, parse, user_dir
 
 MODELS = {"smollm2-135m", "llama-3.2-1b-instruct", "llama-3.1-8b-instruct", "qwen2.5-7b-instruct",
           "mistral-7b-instruct", "qwen3-8b", "phi-3-mini-4k-instruct", "gemma-3-1b-it", "gemma3-270m"}
@@ -47,8 +47,8 @@ def test_model_presets_name_their_family_and_its_rope_and_window_facts():
 
     from typer.testing import CliRunner
 
-    from kvcli.architecture import FAMILIES
     from kvcli.cli import app
+    from kvcli.kv.architecture import FAMILIES
 
     families = {f.model_type for f in FAMILIES}
     found = {p.name: p for p in list_presets()}
@@ -126,6 +126,7 @@ def test_the_built_wheel_ships_the_builtin_presets(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("kvcli-*.whl")
-    shipped = {Path(name).name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("kvcli/presets/")}
+    shipped = {Path(name).name for name in zipfile.ZipFile(wheel).namelist()
+               if name.startswith("kvcli/models/presets/")}
     expected = {path.name for path in builtin_dirs()[0].glob("*.toml")}
     assert expected and expected <= shipped

@@ -16,10 +16,10 @@ import torch
 from support import max_pooled, retained_fraction
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvcli.engine import Engine
-from kvcli.generate import Reader
+from kvcli.engine.engine import Engine
 from kvcli.methods import make_method
-from kvcli.prompts import PromptParts
+from kvcli.reading.generate import Reader
+from kvcli.reading.prompts import PromptParts
 
 
 def ids_of(n: int, seed: int = 3) -> torch.Tensor:
@@ -190,7 +190,7 @@ def test_a_streamed_read_nests_its_blocks_unless_a_probe_scores_them(tiny, probe
     engine = Engine(tiny, make_method("pyramidinfer", {"min_len": 4}), 40, 32)
     reader = Reader(engine, tokenizer=None)
     cache = engine.new_cache()
-    from kvcli.generate import Generation
+    from kvcli.reading.generate import Generation
 
     result = Generation()
     doc = [ids_of(150, seed=7)[0].tolist()]

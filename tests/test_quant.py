@@ -8,10 +8,9 @@ import sys
 import pytest
 import torch
 
-from kvcli.engine import Engine, budget_for_bytes
+from kvcli.engine.engine import Engine, budget_for_bytes
 from kvcli.errors import UsageError
-from kvcli.methods import make_method
-from kvcli.quant import (
+from kvcli.kv.quant import (
     FP16_MAX,
     KVQuant,
     QuantizedTokens,
@@ -25,6 +24,7 @@ from kvcli.quant import (
     tokens_for_bytes,
     unpack,
 )
+from kvcli.methods import make_method
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -194,7 +194,7 @@ def test_channel_keys_stored_before_rope_read_back_at_their_positions(method):
 
 
 def tiny(dtype=torch.bfloat16):
-    from kvcli.models import tiny_llama
+    from kvcli.models.load import tiny_llama
 
     return tiny_llama(num_layers=2, hidden=128, heads=4, kv_heads=2, dtype=dtype)
 
@@ -239,7 +239,7 @@ def test_cache_bytes_buys_more_tokens_at_fewer_bits():
 @pytest.mark.parametrize("select", [None, "snapkv"])
 def test_pod_takes_a_quantized_cache(select):
     """PoD (every token, and with a selection) with layers sharing keys: close to 16 bits, fewer bytes."""
-    from kvcli.pod.groups import GroupsFile, ModelShape
+    from kvcli.methods.pod.groups import GroupsFile, ModelShape
 
     model = tiny()
     groups = GroupsFile("tiny", ModelShape.of(model.config), [[[0, 1]], [[0], [1]]])
@@ -297,8 +297,8 @@ def test_cli_bad_kv_keys_is_one_line(tmp_path):
 
 
 def test_bench_grid_has_kv_bits_as_an_axis_and_old_runs_are_16_bits():
-    from kvcli.bench.grid import plan_grid
-    from kvcli.bench.results import run_key
+    from kvcli.eval.bench.grid import plan_grid
+    from kvcli.eval.bench.results import run_key
 
     specs = plan_grid(["full", "treekv"], [64], kv_bits=[16, 4])
     assert [(s.method, s.budget, s.kv_bits) for s in specs] == [

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import TEXT
 
-from kvcli.prompts import ASK_FRAME
+from kvcli.reading.prompts import ASK_FRAME
 
 KEYS = {"prompt_tokens", "generated_tokens", "max_cache_tokens", "kv_cache_bytes", "peak_memory_bytes", "seconds",
         "model", "method", "cache"}
@@ -31,7 +31,7 @@ def test_help(invoke, command):
 
 
 def test_summarize_streams_exactly_the_summary_to_stdout(invoke, tiny_model_dir, book, smol_tokenizer):
-    from kvcli.prompts import TEMPLATES, build_prompt
+    from kvcli.reading.prompts import TEMPLATES, build_prompt
 
     common = [str(book), *tiny(tiny_model_dir), "--method", "streamingllm", "--cache", "64", "--block", "32",
               "--max-new-tokens", "24", "--temperature", "1.0", "--seed", "3"]
@@ -211,7 +211,7 @@ def test_needle_grid_json_and_table(invoke, tiny_model_dir, tmp_path):
 def test_needle_fixed_harness_and_answer_prefix(invoke, tiny_model_dir, tmp_path):
     """--fixed hides the one needle with five-digit keys and asks the one question; --answer-prefix starts the
     answer, as `ask --answer-prefix` does."""
-    from kvcli.needle import NEEDLE, QUESTION
+    from kvcli.eval.needle import NEEDLE, QUESTION
 
     text = tmp_path / "haystack.txt"
     text.write_text(TEXT * 3)
@@ -307,13 +307,13 @@ def test_needle_method_options(invoke, tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_needle_writes_as_many_tokens_as_an_answer_with_a_long_key_needs(smol_tokenizer):
-    """The CLI's default (a literal: kvcli.needle imports torch) is the library's, long enough for "The pass key
+    """The CLI's default (a literal: kvcli.eval.needle imports torch) is the library's, long enough for "The pass key
     mentioned in the text is 7117200." in SmolLM2's tokens (one a digit), which the former 12 cut short."""
     import inspect
 
     from kvcli.cli.needle import needle
-    from kvcli.needle import ANSWER_TOKENS, run_grid
-    from kvcli.prompts import encode
+    from kvcli.eval.needle import ANSWER_TOKENS, run_grid
+    from kvcli.reading.prompts import encode
 
     assert inspect.signature(needle).parameters["max_new_tokens"].default == ANSWER_TOKENS
     assert inspect.signature(run_grid).parameters["max_new_tokens"].default == ANSWER_TOKENS
@@ -327,7 +327,7 @@ def test_a_read_takes_blocks_of_1024_on_every_device_unless_told():
     import inspect
 
     from kvcli.cli.options import READ_BLOCK, parse_block, parse_read_block
-    from kvcli.needle import run_grid
+    from kvcli.eval.needle import run_grid
 
     assert parse_read_block("auto") == READ_BLOCK == 1024 and parse_read_block("64") == 64
     assert parse_block("auto") is None  # the engine's default for the device
@@ -339,8 +339,8 @@ def test_a_needle_trial_answers_what_ask_answers_on_its_haystack(invoke, tiny_mo
                                                                   length):
     """needle's headline tables are the user's path: each trial's answer is what `kvcli ask HAYSTACK QUESTION`
     prints for the same text, with the same method, cache and block, and no option besides."""
-    from kvcli.documents import open_source
-    from kvcli.needle import book_tokens, haystacks
+    from kvcli.eval.needle import book_tokens, haystacks
+    from kvcli.io.documents import open_source
 
     book = tmp_path / "book.txt"
     book.write_text(TEXT * 6)

@@ -1,4 +1,4 @@
-"""The recap of a streamed read with a question (kvcli.recap): which passages it keeps, and how the reader
+"""The recap of a streamed read with a question (kvcli.reading.recap): which passages it keeps, and how the reader
 reads them before the question."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcli.engine import Engine
-from kvcli.generate import RECAP_SEPARATOR, Reader
+from kvcli.engine.engine import Engine
 from kvcli.methods import make_method
-from kvcli.models import tiny_llama
-from kvcli.prompts import PromptParts
-from kvcli.recap import Recap, scored_layers, word_joins
+from kvcli.models.load import tiny_llama
+from kvcli.reading.generate import RECAP_SEPARATOR, Reader
+from kvcli.reading.prompts import PromptParts
+from kvcli.reading.recap import Recap, scored_layers, word_joins
 
 LAYERS = 12  # scored: layers 4 to 10
 

@@ -1,5 +1,5 @@
 """Answers that do not loop (the repetition control of the writer) and summaries in sections that cover the whole
-document (kvcli.sections)."""
+document (kvcli.reading.sections)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import TEXT
 
-from kvcli.engine import Engine
-from kvcli.generate import Reader, RepetitionGuard
+from kvcli.engine.engine import Engine
 from kvcli.methods import make_method
-from kvcli.models import tiny_llama
-from kvcli.prompts import (
+from kvcli.models.load import tiny_llama
+from kvcli.reading.generate import Reader, RepetitionGuard
+from kvcli.reading.prompts import (
     ANSWER_REPETITION,
     SUMMARY_REPETITION,
     TEMPLATES,
@@ -22,7 +22,7 @@ from kvcli.prompts import (
     build_prompt,
     question_instruction,
 )
-from kvcli.sections import Section, line_breaks, split_sections, summarize_in_sections
+from kvcli.reading.sections import Section, line_breaks, split_sections, summarize_in_sections
 
 
 class CharTokenizer:
@@ -100,7 +100,7 @@ def write(model, method: str, repetition: Repetition, tokens: int = 80) -> list[
 
 @pytest.mark.parametrize("method", ["snapkv", "streamingllm", "treekv", "pyramidinfer"])
 def test_the_answer_never_repeats_an_ngram_whatever_the_decode_step(model, method):
-    """snapkv, streamingllm and treekv write with the static steps (kvcli.decode: the CUDA graph on a GPU),
+    """snapkv, streamingllm and treekv write with the static steps (kvcli.kv.decode: the CUDA graph on a GPU),
     pyramidinfer with the engine's: the ban applies to the logits either way."""
     plain = write(model, method, Repetition())
     assert len(set(ngrams(plain, 3))) < len(ngrams(plain, 3))  # the tiny random model loops
@@ -112,7 +112,7 @@ def test_the_answer_never_repeats_an_ngram_whatever_the_decode_step(model, metho
 
 def test_the_prompt_does_not_count(model, monkeypatch):
     """The guard knows the answer's tokens and nothing else: not the prompt's, not the document's."""
-    import kvcli.generate
+    import kvcli.reading.generate
 
     guards: list[RepetitionGuard] = []
 
@@ -121,7 +121,7 @@ def test_the_prompt_does_not_count(model, monkeypatch):
             super().__init__(settings)
             guards.append(self)
 
-    monkeypatch.setattr(kvcli.generate, "RepetitionGuard", Spy)
+    monkeypatch.setattr(kvcli.reading.generate, "RepetitionGuard", Spy)
     engine = Engine(model, make_method("snapkv"), 48, block=16)
     reader = Reader(engine, CharTokenizer(), repetition=Repetition(no_repeat_ngram=2))
     gen = reader.run(PromptParts([1, 2], [3, 4, 5], chat=False), [list(range(10, 90))], 20, one_shot=False)
@@ -249,7 +249,7 @@ def test_bad_values_are_one_line(invoke, book, args, message):
 def test_ctrl_c_in_a_section_keeps_what_the_sections_said(model):
     """Ctrl-C while a section is written: the answer is the summaries so far (the one being written cut short),
     shown as the answer would have been, and marked interrupted."""
-    from kvcli.generate import Generation
+    from kvcli.reading.generate import Generation
 
     engine = Engine(model, make_method("treekv"), 48, block=16)
     reader = Reader(engine, CharTokenizer())

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvcli.ruler import TASKS, Book, make_sample, recall
+from kvcli.eval.ruler import TASKS, Book, make_sample, recall
 
 SYLLABLES = ("ba", "ko", "mi", "ter", "su", "lan", "do", "vi", "ne", "rok", "pa", "lu", "sen", "ga", "fo")
 
@@ -48,7 +48,7 @@ def test_the_grader_scores_recall_of_whole_values(answer, outputs, score):
 
 @pytest.mark.parametrize("name", list(TASKS))
 def test_a_sample_holds_its_needles_fills_its_length_and_is_drawn_from_its_seed(smol_tokenizer, name):
-    from kvcli.prompts import build_prompt, encode, question_instruction
+    from kvcli.reading.prompts import build_prompt, encode, question_instruction
 
     book = Book(book_text())
     task = TASKS[name]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvcli.bench.speed import SHAPES, attended_keys, build_model, flops_per_token, matmul_parameters
+from kvcli.eval.bench.speed import SHAPES, attended_keys, build_model, flops_per_token, matmul_parameters
 
 #: Parameter counts the model cards publish: the shapes must be the real ones.
 PUBLISHED = {"smollm2-135m": 134_515_008, "llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
@@ -40,7 +40,7 @@ def test_tied_lm_head_counts_as_a_matmul():
 
 def test_plain_blocks_keep_ids_and_positions_on_the_models_device():
     """On a meta model a position tensor left on the CPU fails (as it would on CUDA); nothing is allocated."""
-    from kvcli.bench.throughput import stream_plain_blocks
+    from kvcli.eval.bench.throughput import stream_plain_blocks
 
     model = build_model("tiny", device="meta")
     seen = []

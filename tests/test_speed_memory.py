@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-import kvcli.bench.speed as speed
+import kvcli.eval.bench.speed as speed
 
 
 def test_a_shape_too_large_for_the_free_memory_is_one_line_before_any_allocation(invoke, monkeypatch):

@@ -1,4 +1,4 @@
-"""Tests for kvcli.text: sources, decoding and chunked tokenization.
+"""Tests for kvcli.io.text: sources, decoding and chunked tokenization.
 
 The central property is that cutting the text into buffers never shows in the token
 stream, so most tests compare against tokenizing the whole text at once, with chunk sizes
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcli.documents import Document, open_source, read_text
 from kvcli.errors import KvcliError
-from kvcli.text import TokenChunk, iter_tokens
+from kvcli.io.documents import Document, open_source, read_text
+from kvcli.io.text import TokenChunk, iter_tokens
 
 BOOKS = Path(__file__).parents[1].parent / "shared/data/books"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

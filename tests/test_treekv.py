@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from kvcli.cache import AttentionRecord, LayerView
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
 from kvcli.errors import UsageError
+from kvcli.kv.cache import AttentionRecord, LayerView
 from kvcli.methods import make_method
 from kvcli.methods.base import Split
 from kvcli.methods.treekv import pair_rule
-from kvcli.models import tiny_llama
+from kvcli.models.load import tiny_llama
 from tests.support import append_tokens, compress_step, kept_positions, make_cache
 
 HEADS, GROUP = 2, 2

@@ -8,9 +8,9 @@ import pickle
 import pytest
 import torch
 
-from kvcli.adapt import STATE_FILE, load_state
 from kvcli.errors import KvcliError
-from kvcli.pod.groups import GroupsFile, ModelShape
+from kvcli.methods.pod.adapt import STATE_FILE, load_state
+from kvcli.methods.pod.groups import GroupsFile, ModelShape
 
 
 class _RunsCode:
@@ -121,7 +121,7 @@ def _checkpoint(invoke, model, tmp_path):
 
 
 def _seal(path, payload) -> None:
-    from kvcli.statefile import save_state
+    from kvcli.io.statefile import save_state
 
     save_state(path, payload)
 
@@ -151,7 +151,7 @@ def _fuzzed_checkpoints(folder, rng):
     (sealed again, so that the checks after the checksum are the ones that answer)."""
     import io
 
-    from kvcli.statefile import load_state as read
+    from kvcli.io.statefile import load_state as read
 
     path = folder / "state.pt"
     data = path.read_bytes()
@@ -291,9 +291,9 @@ def test_a_checkpoint_knows_its_model_by_its_files_not_by_its_name(invoke, tiny_
 
     resume = ppl(model, book, "-n", "400", "--checkpoint", folder, "--resume")
     with monkeypatch.context() as patch:
-        import kvcli.checkpoint
+        import kvcli.eval.checkpoint
 
-        patch.setattr(kvcli.checkpoint, "library_versions", lambda: {"torch": "9.9", "transformers": "5.23"})
+        patch.setattr(kvcli.eval.checkpoint, "library_versions", lambda: {"torch": "9.9", "transformers": "5.23"})
         line = one_line(invoke(*resume), 1)
         assert "it was made with torch " in line and "this run has 9.9" in line
     settings = model / "tokenizer_config.json"
@@ -316,12 +316,12 @@ def test_a_checkpoint_knows_its_model_by_its_files_not_by_its_name(invoke, tiny_
 def test_the_checkpointer_refuses_what_it_cannot_restore(tmp_path, monkeypatch, invoke, tiny_model_dir):
     """A quantized cache is refused by the Checkpointer before a block runs (a library caller gets the error, not a
     file the safe loader refuses later); any state that is not plain data is refused when saved, writing nothing."""
-    import kvcli.checkpoint
-    from kvcli.checkpoint import Checkpointer
-    from kvcli.engine import Engine
+    import kvcli.eval.checkpoint
+    from kvcli.engine.engine import Engine
     from kvcli.errors import UsageError
+    from kvcli.eval.checkpoint import Checkpointer
     from kvcli.methods import make_method
-    from kvcli.models import tiny_llama
+    from kvcli.models.load import tiny_llama
 
     model = tiny_llama()
     tokens = [list(range(1, 100))]
@@ -329,7 +329,7 @@ def test_the_checkpointer_refuses_what_it_cannot_restore(tmp_path, monkeypatch, 
     saver = Checkpointer(tmp_path / "ckpt", {"block": 16}, 32, None)
     with pytest.raises(UsageError, match="a checkpoint holds a 16-bit cache only, not one of 8 bits"):
         saver.begin(quantized, tokens, None)
-    monkeypatch.setattr(kvcli.checkpoint, "check_restorable", lambda bits: None)  # past the first guard
+    monkeypatch.setattr(kvcli.eval.checkpoint, "check_restorable", lambda bits: None)  # past the first guard
     state, feed = saver.begin(quantized, tokens, None)
     with pytest.raises(KvcliError, match=r"cannot checkpoint checkpoint\.cache\.layers\[0\]\.keys: a QuantizedTokens"):
         quantized.score(feed, state=state, on_state=saver.on_state)
@@ -366,7 +366,7 @@ def test_rows_resume_by_any_path_and_refuse_an_edited_document(invoke, tiny_mode
 def test_a_held_checkpoint_folder_or_adapt_out_is_refused_at_once(invoke, tiny_model_dir, tmp_path):
     import fcntl
 
-    from kvcli.outputs import LOCK_FILE
+    from kvcli.io.outputs import LOCK_FILE
 
     book = long_book(tmp_path)
     folder = tmp_path / "ckpt"
@@ -444,7 +444,7 @@ def test_extending_a_finished_run_equals_the_longer_run(invoke, tiny_model_dir, 
 
 def _interrupt_at(monkeypatch, call: int) -> None:
     """Ctrl-C inside the ``call``-th forward pass (in the middle of a block)."""
-    from kvcli.engine import Engine
+    from kvcli.engine.engine import Engine
 
     original = Engine.forward
     count = [0]

@@ -18,13 +18,13 @@ import sys
 
 import torch
 
-from kvcli.documents import open_source
-from kvcli.engine import Engine
-from kvcli.generate import Generation, Reader
+from kvcli.engine.engine import Engine
+from kvcli.eval.needle import DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, is_correct
+from kvcli.io.documents import open_source
 from kvcli.methods import make_method
-from kvcli.models import load_model
-from kvcli.needle import DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, is_correct
-from kvcli.prompts import build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.models.load import load_model
+from kvcli.reading.generate import Generation, Reader
+from kvcli.reading.prompts import build_prompt, encode, question_instruction, stop_token_ids
 
 
 def layers_of(spec: str) -> list[int]:

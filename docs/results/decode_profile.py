@@ -2,7 +2,7 @@
 
     python docs/results/decode_profile.py [SHAPE] [METHODS] [STEPS] [compile]   (default llama-3.1-8b snapkv,treekv 64)
 
-Builds the shape with random weights (kvcli.bench.speed), then prints JSON lines:
+Builds the shape with random weights (kvcli.eval.bench.speed), then prints JSON lines:
 - ``floor``: the card's measured copy bandwidth, the bytes one token must read (every weight once, the cache's
   keys and values), the time that takes at that bandwidth, and a captured graph of the weights' matrix-vector
   products alone (every ``Linear`` of the model, in order, on one token): the rate no decode step can beat.
@@ -23,9 +23,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvcli.bench.speed import build_model
-from kvcli.decode import answer_steps
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
+from kvcli.eval.bench.speed import build_model
+from kvcli.kv.decode import answer_steps
 from kvcli.methods.registry import make_method
 
 CACHE = BLOCK = 1024

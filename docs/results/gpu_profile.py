@@ -2,7 +2,7 @@
 
     python docs/results/gpu_profile.py [SHAPE] [METHODS] [BLOCKS]   (default llama-3.1-8b streamingllm 4)
 
-Builds the shape with random weights (kvcli.bench.speed), runs ``BLOCKS`` blocks of 1,024 against a
+Builds the shape with random weights (kvcli.eval.bench.speed), runs ``BLOCKS`` blocks of 1,024 against a
 1,024-token cache under torch.profiler for the plain forward and for each method, and prints, per line, the
 wall time per block, the GPU's busy time per block and the kernels that take the most GPU time. Issue #27.
 """
@@ -15,9 +15,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvcli.bench.speed import build_model
-from kvcli.bench.throughput import synchronize
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
+from kvcli.eval.bench.speed import build_model
+from kvcli.eval.bench.throughput import synchronize
 from kvcli.methods.registry import make_method
 
 CACHE = BLOCK = 1024

@@ -19,14 +19,14 @@ from __future__ import annotations
 import sys
 
 from kvcli.cli.options import READ_BLOCK
-from kvcli.documents import open_source
-from kvcli.engine import Engine
-from kvcli.generate import RECAP_SEPARATOR, Generation, Reader
+from kvcli.engine.engine import Engine
+from kvcli.eval.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, is_correct
+from kvcli.io.documents import open_source
 from kvcli.methods import make_method
-from kvcli.models import load_model
-from kvcli.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, is_correct
-from kvcli.prompts import build_prompt, encode, question_instruction, stop_token_ids
-from kvcli.recap import RECAP_TOKENS, Recap
+from kvcli.models.load import load_model
+from kvcli.reading.generate import RECAP_SEPARATOR, Generation, Reader
+from kvcli.reading.prompts import build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.reading.recap import RECAP_TOKENS, Recap
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from collections import defaultdict
 from math import comb
 from pathlib import Path
 
-from kvcli.needle import is_correct, wilson_interval
+from kvcli.eval.needle import is_correct, wilson_interval
 
 TUNING = ("pg98-a-tale-of-two-cities", "pg1342-pride-and-prejudice", "pg11-alice-in-wonderland")
 

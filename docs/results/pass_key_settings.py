@@ -14,13 +14,13 @@ from __future__ import annotations
 import sys
 import time
 
-from kvcli.documents import open_source
-from kvcli.engine import Engine
-from kvcli.generate import Reader
+from kvcli.engine.engine import Engine
+from kvcli.eval.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, is_correct
+from kvcli.io.documents import open_source
 from kvcli.methods import make_method
-from kvcli.models import load_model
-from kvcli.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, is_correct
-from kvcli.prompts import build_prompt, question_instruction, stop_token_ids
+from kvcli.models.load import load_model
+from kvcli.reading.generate import Reader
+from kvcli.reading.prompts import build_prompt, question_instruction, stop_token_ids
 
 LENGTH, BUDGET = 6000, 512
 

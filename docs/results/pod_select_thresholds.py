@@ -10,11 +10,11 @@ import os
 import sys
 import time
 
-from kvcli.documents import open_source
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
+from kvcli.io.documents import open_source
+from kvcli.io.text import first_tokens
 from kvcli.methods import make_method
-from kvcli.models import load_model
-from kvcli.text import first_tokens
+from kvcli.models.load import load_model
 
 book, budget, tokens, select = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 loaded = load_model(os.environ.get("MODEL", "smollm2-135m"))

@@ -15,8 +15,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvcli.bench.speed import build_model
-from kvcli.engine import Engine
+from kvcli.engine.engine import Engine
+from kvcli.eval.bench.speed import build_model
 from kvcli.methods import make_method
 
 CACHE = BLOCK = 1024

@@ -17,13 +17,13 @@ import time
 
 import torch
 
-from kvcli.documents import open_source
-from kvcli.engine import Engine
-from kvcli.generate import Generation, Reader
+from kvcli.engine.engine import Engine
+from kvcli.eval.needle import ANSWER_PREFIX, QUESTION, book_tokens, excerpt_offset, haystack
+from kvcli.io.documents import open_source
 from kvcli.methods import make_method
-from kvcli.models import load_model
-from kvcli.needle import ANSWER_PREFIX, QUESTION, book_tokens, excerpt_offset, haystack
-from kvcli.prompts import build_prompt, question_instruction, stop_token_ids
+from kvcli.models.load import load_model
+from kvcli.reading.generate import Generation, Reader
+from kvcli.reading.prompts import build_prompt, question_instruction, stop_token_ids
 
 
 def main() -> None:

@@ -16,14 +16,14 @@ import statistics
 
 import torch
 
-import kvcli.generate as generate
-from kvcli.engine import Engine
-from kvcli.generate import Reader
+import kvcli.reading.generate as generate
+from kvcli.engine.engine import Engine
+from kvcli.eval.needle import haystacks
 from kvcli.methods import make_method
-from kvcli.models import load_model
-from kvcli.needle import haystacks
-from kvcli.prompts import build_prompt, encode, question_instruction, stop_token_ids
-from kvcli.recap import Recap, scored_layers
+from kvcli.models.load import load_model
+from kvcli.reading.generate import Reader
+from kvcli.reading.prompts import build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.reading.recap import Recap, scored_layers
 
 RANGES = ((7, 7), (7, 8), (0, 29), (10, 25))
 

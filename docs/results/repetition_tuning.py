@@ -8,7 +8,7 @@ Usage::
 ``repeat`` reads the first ``--tokens`` tokens of each book once for ``summarize`` and once for ``ask`` (the
 book's question below), with treekv at cache 1,024 as in the issue, then writes from a copy of the cache with
 every setting of :data:`SETTINGS`: the same read, only the writing differs. ``sections`` summarizes the same
-text in one pass and in sections of each size (:mod:`kvcli.sections`), with the default repetition control,
+text in one pass and in sections of each size (:mod:`kvcli.reading.sections`), with the default repetition control,
 with a last pass over the section summaries (each row keeps the sections too), and checks which thirds of the
 text the summary mentions (:func:`coverage`). One JSON line per output.
 """
@@ -23,11 +23,11 @@ import sys
 import weakref
 from collections import Counter
 
-from kvcli.engine import Engine
-from kvcli.generate import Generation, Reader
+from kvcli.engine.engine import Engine
 from kvcli.methods import make_method
-from kvcli.models import load_model
-from kvcli.prompts import (
+from kvcli.models.load import load_model
+from kvcli.reading.generate import Generation, Reader
+from kvcli.reading.prompts import (
     SUMMARY_REPETITION,
     TEMPLATES,
     Instruction,
@@ -37,8 +37,8 @@ from kvcli.prompts import (
     question_instruction,
     stop_token_ids,
 )
-from kvcli.recap import RECAP_TOKENS
-from kvcli.sections import summarize_in_sections
+from kvcli.reading.recap import RECAP_TOKENS
+from kvcli.reading.sections import summarize_in_sections
 
 SETTINGS = {
     "off": Repetition(),
@@ -175,7 +175,7 @@ cached: dict[int, list] = {}
 
 
 def _final_only(reader: Reader, instruction: Instruction, parts: list) -> str:
-    from kvcli.sections import _joined
+    from kvcli.reading.sections import _joined
 
     notes = encode(reader.tokenizer, _joined(parts))
     return reader.run(build_prompt(reader.tokenizer, instruction), [notes], 256).text

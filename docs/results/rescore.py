@@ -1,4 +1,5 @@
-"""Grade every committed pass-key trial under docs/results/ again with kvcli's one grader, ``kvcli.needle.is_correct``.
+"""Grade every committed pass-key trial under docs/results/ again with kvcli's one grader,
+``kvcli.eval.needle.is_correct``.
 
 Usage: ``python docs/results/rescore.py [FOLDER]`` (default: the folder of this script). Reads every ``.json`` and
 ``.jsonl`` file that holds trials (rows with ``answer`` and ``key``), and prints per file and per group (frame,
@@ -14,7 +15,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvcli.needle import is_correct
+from kvcli.eval.needle import is_correct
 
 GROUPS = ("frame", "book", "method")
 

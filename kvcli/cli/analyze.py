@@ -1,6 +1,6 @@
 """``kvcli analyze``: attention entropy, inter-layer similarity, kept positions and wavelets on one prompt.
 
-:mod:`kvcli.analysis` measures and draws; this module reads the options, loads the model, writes
+:mod:`kvcli.eval.analysis` measures and draws; this module reads the options, loads the model, writes
 ``analysis.json`` and the PNGs, and prints a short summary (or the JSON).
 """
 
@@ -44,13 +44,13 @@ def analyze(
     """Attention entropy and sparsity per layer, PoD's layer groups, kept positions per method, Haar wavelets."""
     import torch
 
-    from kvcli.analysis import analyze as run_analysis
-    from kvcli.analysis import write_plots
     from kvcli.cli.render import summary_lines
-    from kvcli.needle import book_tokens
-    from kvcli.outputs import atomic_write, check_output
-    from kvcli.plots import MISSING, have_matplotlib
-    from kvcli.report import dumps, print_result
+    from kvcli.eval.analysis import analyze as run_analysis
+    from kvcli.eval.analysis import write_plots
+    from kvcli.eval.needle import book_tokens
+    from kvcli.io.outputs import atomic_write, check_output
+    from kvcli.io.plots import MISSING, have_matplotlib
+    from kvcli.io.report import dumps, print_result
 
     if max_tokens < 2 or queries < 1 or bins < 1 or levels < 1:
         raise UsageError("--max-tokens must be at least 2, and --queries, --bins and --levels at least 1")

@@ -1,6 +1,6 @@
 """``kvcli bench``: methods x cache budgets over one token stream, a table on stdout, results.json and plots.
 
-:mod:`kvcli.bench` plans, runs, saves and plots. The table is the result (stdout); progress, skipped
+:mod:`kvcli.eval.bench` plans, runs, saves and plots. The table is the result (stdout); progress, skipped
 runs and the paths written go to stderr.
 """
 
@@ -57,9 +57,9 @@ def bench(
     setup: Setup,
 ) -> None:
     """Perplexity, speed and memory of several methods at several cache sizes on the same tokens."""
-    from kvcli.bench import bench_json, check_out_dir, plan_grid, read_token_stream, run_grid
     from kvcli.cli.render import bench_table
-    from kvcli.report import StreamProgress, dumps, print_result
+    from kvcli.eval.bench import bench_json, check_out_dir, plan_grid, read_token_stream, run_grid
+    from kvcli.io.report import StreamProgress, dumps, print_result
 
     method_list = split_list(methods, str, "--methods")
     budgets = split_list(cache, int, "--cache")
@@ -70,7 +70,7 @@ def bench(
     bits = [parse_kv_bits(item) for item in split_list(kv_bits, str, "--kv-bits")]
     specs = plan_grid(method_list, budgets, method_options(list(dict.fromkeys(method_list)), option), bits)
     setup.check_outputs({"--out": out}, source, data_dir=data_dir, folders=("--out",))
-    from kvcli.outputs import lock_folder
+    from kvcli.io.outputs import lock_folder
 
     ctx.with_resource(lock_folder(out, "--out"))  # one run per folder: two would each keep only their own runs
     check_out_dir(out)
@@ -113,8 +113,8 @@ def bench(
 
 def _plots(grid, out: Path, plot: bool, setup: Setup) -> list[Path]:
     """Plots of every run in results.json; an install missing matplotlib (a dependency) gets one warning, no PNGs."""
-    from kvcli.bench import plot_results
-    from kvcli.plots import MISSING, have_matplotlib
+    from kvcli.eval.bench import plot_results
+    from kvcli.io.plots import MISSING, have_matplotlib
 
     if not plot or not grid.results["runs"]:
         return []

@@ -1,4 +1,4 @@
-"""``kvcli cache``: the converted models kvcli keeps (see :mod:`kvcli.modelcache`), listed or cleared."""
+"""``kvcli cache``: the converted models kvcli keeps (see :mod:`kvcli.models.cache`), listed or cleared."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def list_(json_out: JsonOpt = False) -> None:
 def clear() -> None:
     """Remove every model kvcli cached (the next load of each converts it again). Folders kvcli did not make are
     left alone and named."""
-    from kvcli.modelcache import clear as clear_cache
-    from kvcli.modelcache import models_dir
-    from kvcli.report import mib, print_result
+    from kvcli.io.report import mib, print_result
+    from kvcli.models.cache import clear as clear_cache
+    from kvcli.models.cache import models_dir
 
     done = clear_cache()
     _name_foreign(done.foreign, clearing=True)
@@ -43,8 +43,8 @@ def clear() -> None:
 
 def show(json_out: bool) -> None:
     from kvcli.cli.render import cache_listing
-    from kvcli.modelcache import models_dir, scan
-    from kvcli.report import dumps, print_result
+    from kvcli.io.report import dumps, print_result
+    from kvcli.models.cache import models_dir, scan
 
     found, foreign = scan()
     if json_out:
@@ -59,8 +59,8 @@ def show(json_out: bool) -> None:
 
 def _name_foreign(names: list[str], *, clearing: bool) -> None:
     """One line on stderr naming what kvcli found in its cache folder but did not make (and never removes)."""
-    from kvcli.modelcache import models_dir
-    from kvcli.report import warn
+    from kvcli.io.report import warn
+    from kvcli.models.cache import models_dir
 
     if not names:
         return

@@ -11,8 +11,8 @@ def methods(json_out: Annotated[bool, typer.Option("--json", help="A JSON list o
                                                    "params}.")] = False) -> None:
     """List the compression methods and their parameters (set them with -o KEY=VALUE)."""
     from kvcli.cli.render import methods_listing
+    from kvcli.io.report import dumps, print_result
     from kvcli.methods import METHODS
-    from kvcli.report import dumps, print_result
 
     rows = [{"name": name, "description": cls.description, "params": cls.params()}
             for name, cls in sorted(METHODS.items())]
@@ -23,8 +23,8 @@ def presets(json_out: Annotated[bool, typer.Option("--json", help="A JSON list o
                                                    "settings}.")] = False) -> None:
     """List the presets (built-in and in the user folder) that --preset NAME accepts."""
     from kvcli.cli.render import presets_listing
-    from kvcli.presets import list_presets, user_dir
-    from kvcli.report import dumps, print_result, warn
+    from kvcli.io.report import dumps, print_result, warn
+    from kvcli.models.presets import list_presets, user_dir
 
     found = list_presets(warn)
     print_result(dumps([p.as_dict() for p in found]) if json_out else presets_listing(found, user_dir()))
@@ -36,10 +36,10 @@ def models(json_out: Annotated[bool, typer.Option("--json", help="A JSON list of
     model presets (--preset NAME) of each family."""
     from dataclasses import asdict
 
-    from kvcli.architecture import FAMILIES
     from kvcli.cli.render import models_listing
-    from kvcli.presets import list_presets
-    from kvcli.report import dumps, print_result
+    from kvcli.io.report import dumps, print_result
+    from kvcli.kv.architecture import FAMILIES
+    from kvcli.models.presets import list_presets
 
     presets: dict[str, list[str]] = {}
     for preset in list_presets():

@@ -1,4 +1,4 @@
-"""``kvcli needle``: the pass-key test as a grid of methods x lengths x depths (:mod:`kvcli.needle`)."""
+"""``kvcli needle``: the pass-key test as a grid of methods x lengths x depths (:mod:`kvcli.eval.needle`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from kvcli.cli.options import (
 )
 from kvcli.cli.reading import AnswerPrefixOpt, MaxNewOpt, OneShotOpt, ProbeOpt, RecapOpt, SeedOpt, check_recap
 from kvcli.errors import UsageError
-from kvcli.recap import RECAP_TOKENS
+from kvcli.reading.recap import RECAP_TOKENS
 
 
 def _depth(item: str) -> float:
@@ -55,7 +55,7 @@ def needle(
     block: ReadBlockOpt = "auto",
     option: MethodsOptionOpt = None,
     seed: SeedOpt = 0,
-    max_new_tokens: MaxNewOpt = 32,  # kvcli.needle.ANSWER_TOKENS (that module imports torch)
+    max_new_tokens: MaxNewOpt = 32,  # kvcli.eval.needle.ANSWER_TOKENS (that module imports torch)
     one_shot: OneShotOpt = None,
     probe: ProbeOpt = True,
     answer_prefix: AnswerPrefixOpt = "",
@@ -82,10 +82,10 @@ def needle(
     per trial (--fixed for one of each).
     """
     from kvcli.cli.render import needle_tables
+    from kvcli.eval.needle import DEFAULT_TRIALS, TrialLog, book_tokens, run_grid
+    from kvcli.io.outputs import check_output
+    from kvcli.io.report import dumps, print_result
     from kvcli.methods import METHODS
-    from kvcli.needle import DEFAULT_TRIALS, TrialLog, book_tokens, run_grid
-    from kvcli.outputs import check_output
-    from kvcli.report import dumps, print_result
 
     method_list = split_list(methods, str, "--methods")
     for name in method_list:
@@ -107,7 +107,7 @@ def needle(
     if plots:
         check_output(out, "--out", folder=True)  # before the grid, not after it
     if rows is not None:
-        from kvcli.paths import hold_file
+        from kvcli.io.paths import hold_file
 
         check_output(rows, "--rows")  # before the model loads
         ctx.with_resource(hold_file(rows, "--rows"))  # one run per rows file, until the command ends
@@ -142,9 +142,9 @@ def needle(
 def _plot(result, out: Path, model: str, setup: Setup) -> None:
     """needle.png from the result, or the first free needle-N.png beside an earlier run's; an install missing
     matplotlib (a dependency) gets one warning, no PNG."""
-    from kvcli.needle_plot import NEEDLE_PLOT, claim_unused, plot_needle
-    from kvcli.outputs import remove_partial
-    from kvcli.plots import MISSING, have_matplotlib
+    from kvcli.eval.needle_plot import NEEDLE_PLOT, claim_unused, plot_needle
+    from kvcli.io.outputs import remove_partial
+    from kvcli.io.plots import MISSING, have_matplotlib
 
     if not have_matplotlib():
         setup.say(f"{MISSING}: no {NEEDLE_PLOT}")

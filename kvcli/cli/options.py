@@ -94,14 +94,14 @@ class Setup:
     def say(self, message: str) -> None:
         """A warning on stderr, unless ``--quiet``."""
         if not self.quiet:
-            from kvcli.report import warn
+            from kvcli.io.report import warn
 
             warn(message)
 
     def note(self, message: str) -> None:
         """A plain progress line on stderr, unless ``--quiet``."""
         if not self.quiet:
-            from kvcli.report import stderr_console
+            from kvcli.io.report import stderr_console
 
             stderr_console.print(message, markup=False, highlight=False)
 
@@ -110,8 +110,8 @@ class Setup:
                       inputs: tuple[tuple[str, Path | str | None], ...] = ()) -> None:
         """Refuse, before anything is opened, an output (flag -> path; ``folders`` names the flags that are
         folders) that would write over SOURCE, the model or one of ``inputs`` ((what, path) pairs)
-        (:func:`kvcli.paths.check_apart`)."""
-        from kvcli.paths import Input, Output, check_apart, model_inputs, source_inputs
+        (:func:`kvcli.io.paths.check_apart`)."""
+        from kvcli.io.paths import Input, Output, check_apart, model_inputs, source_inputs
 
         given = [*source_inputs(source or "-", data_dir), *model_inputs(self.model)]
         given += [Input(what, Path(path)) for what, path in inputs if path is not None]
@@ -120,13 +120,13 @@ class Setup:
 
     def documents(self, source: str, data_dir: Path | None = None) -> list:
         """SOURCE as documents, checked before any model loads."""
-        from kvcli.documents import open_source
+        from kvcli.io.documents import open_source
 
         return open_source(source, encoding=self.encoding, data_dir=data_dir, warn=self.say)
 
     def load(self):
         """The model (loaded once per process; a GGUF through the model cache, whose warnings follow ``--quiet``)."""
-        from kvcli.models import load_model
+        from kvcli.models.load import load_model
 
         return load_model(self.model, device=self.device, dtype=self.dtype, device_map=self.device_map,
                           load_in_4bit=self.load_in_4bit, load_in_8bit=self.load_in_8bit, warn=self.say)
@@ -135,18 +135,18 @@ class Setup:
                      kv_keys: str | None = None):
         """An engine for ``loaded`` whose warnings follow ``--quiet``, caching keys and values at ``kv_bits``
         (keys rounded the ``kv_keys`` way)."""
-        from kvcli.engine import Engine
+        from kvcli.engine.engine import Engine
 
         return Engine(loaded.model, method, budget, block=block, warn=self.say, kv_bits=kv_bits, kv_keys=kv_keys)
 
 
 def join_ranks(setup: Setup):
-    """This process's :class:`kvcli.distributed.Ranks` (joining the job when a launcher started several) and
+    """This process's :class:`kvcli.io.ranks.Ranks` (joining the job when a launcher started several) and
     ``setup`` with the rank's device; only rank 0 draws progress and warns."""
-    from kvcli.distributed import join, launched_ranks
+    from kvcli.io.ranks import join, launched_ranks
 
     if launched_ranks() == 1:
-        from kvcli.distributed import Ranks
+        from kvcli.io.ranks import Ranks
 
         return Ranks(), setup
     ranks, device = join(setup.device)
@@ -238,7 +238,7 @@ def parse_read_block(text: str | int) -> int:
 
 def resolve_block(block: int | None, loaded) -> int:
     """A parsed ``--block`` for the loaded model: ``auto`` (None) becomes the engine's default for its device."""
-    from kvcli.engine import default_block
+    from kvcli.engine.engine import default_block
 
     return block if block is not None else default_block(loaded.device)
 
@@ -285,7 +285,7 @@ def parse_bytes(text: str, flag: str) -> int:
 
 def parse_kv_bits(text: str | int, flag: str = "--kv-bits") -> int:
     """``--kv-bits``: 16, 8, 4 or 2; anything else is one line (checked before any model loads)."""
-    from kvcli.quant import check_kv_bits
+    from kvcli.kv.quant import check_kv_bits
 
     try:
         bits = int(str(text).strip())
@@ -323,7 +323,7 @@ def build_method(name: str, options: dict[str, str] | list[str] | None, cache: i
 
     check_cache(cache)
     method = make_method(name, options if isinstance(options, dict) else parse_options(options))
-    from kvcli.engine import check_budget  # after the checks that need no torch, so their errors come fast
+    from kvcli.engine.engine import check_budget  # after the checks that need no torch, so their errors come fast
 
     check_budget(method, cache)
     return method

@@ -28,13 +28,13 @@ from kvcli.cli.options import (
     with_setup,
 )
 from kvcli.errors import BudgetError, UsageError
-from kvcli.quant import check_kv_keys
+from kvcli.kv.quant import check_kv_keys
 
 
 def bytes_budget(method, loaded, nbytes: int, text: str, kv_bits: int = 16, kv_keys: str | None = None) -> int:
     """``--cache-bytes`` as the method's budget in tokens per layer on the loaded model at ``kv_bits`` (keys
     rounded the ``kv_keys`` way), checked."""
-    from kvcli.engine import budget_for_bytes, check_budget
+    from kvcli.engine.engine import budget_for_bytes, check_budget
 
     budget = budget_for_bytes(method, loaded.model, nbytes, loaded.dtype, kv_bits, kv_keys)
     try:
@@ -93,15 +93,15 @@ def ppl(
     setup: Setup,
 ) -> None:
     """Streaming perplexity of SOURCE under a fixed-size KV cache, with memory reported."""
+    from kvcli.io.outputs import check_output
     from kvcli.methods import make_method
-    from kvcli.outputs import check_output
 
     check_at_least(1, max_tokens=max_tokens, logits_top_k=logits_top_k, context=context)
     block_size = parse_block(block)
     bits = parse_kv_bits(kv_bits)
     keys = check_kv_keys(kv_keys)
     if checkpoint is not None:
-        from kvcli.checkpoint import check_restorable
+        from kvcli.eval.checkpoint import check_restorable
 
         check_restorable(bits)  # before the model loads; the Checkpointer itself refuses it too
     if (context is None) != (stride is None):
@@ -127,7 +127,7 @@ def ppl(
                          "--resume and --checkpoint")
     if overwrite and checkpoint is None:
         raise UsageError("--overwrite goes with --checkpoint (it starts over in a folder holding a checkpoint)")
-    from kvcli.checkpoint import parse_every
+    from kvcli.eval.checkpoint import parse_every
 
     every_tokens, every_seconds = parse_every(checkpoint_every)
     ranks, setup = join_ranks(setup)
@@ -144,27 +144,27 @@ def ppl(
         if path is not None:
             check_output(path, flag)
     if rows is not None and ranks.main:  # one run per rows file, until the command ends
-        from kvcli.paths import hold_file
+        from kvcli.io.paths import hold_file
 
         ctx.with_resource(hold_file(rows, "--rows"))
     if checkpoint is not None:
         # The folder is this run's until the command ends (its context closes it then, however it ends),
         # and is checked before the model loads.
-        from kvcli.checkpoint import claim
-        from kvcli.outputs import lock_folder
+        from kvcli.eval.checkpoint import claim
+        from kvcli.io.outputs import lock_folder
 
         ctx.with_resource(lock_folder(checkpoint, "--checkpoint"))
         claim(checkpoint, resume, overwrite)
-    from kvcli.checkpoint import Checkpointer, identity
     from kvcli.cli.render import ppl_summary
-    from kvcli.identity import rows_identity
-    from kvcli.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter, Reference
-    from kvcli.outputs import SideFailures, open_output
-    from kvcli.perplexity import PerplexityRun, evaluate
-    from kvcli.report import StreamProgress, dumps, print_result
+    from kvcli.eval.checkpoint import Checkpointer, identity
+    from kvcli.eval.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter, Reference
+    from kvcli.eval.perplexity import PerplexityRun, evaluate
+    from kvcli.io.identity import rows_identity
+    from kvcli.io.outputs import SideFailures, open_output
+    from kvcli.io.report import StreamProgress, dumps, print_result
 
     # Side files that fail while the run goes on (a full disk) are collected, not raised: the result is
-    # printed first, then one line says which file is incomplete (kvcli.outputs.SideFailures).
+    # printed first, then one line says which file is incomplete (kvcli.io.outputs.SideFailures).
     reference = Reference(kl_base) if kl_base is not None else None
     if reference is not None:
         ctx.call_on_close(reference.close)  # read to the end when fewer tokens are compared (KLMeter.finish)

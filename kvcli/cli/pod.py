@@ -1,6 +1,6 @@
 """``kvcli calibrate`` and ``kvcli adapt``: PoD's layer groups and its post-training.
 
-:mod:`kvcli.analysis.calibrate` and :mod:`kvcli.adapt` do the work; these commands read the options,
+:mod:`kvcli.eval.analysis.calibrate` and :mod:`kvcli.methods.pod.adapt` do the work; these commands read the options,
 load the model, show progress on stderr and print a short summary (or one JSON object).
 """
 
@@ -20,7 +20,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON ob
 def _bar(setup: Setup, total: int, what: str):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvcli.report import stderr_console
+    from kvcli.io.report import stderr_console
 
     return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                     TimeElapsedColumn(), console=stderr_console, transient=True, disable=setup.quiet)
@@ -41,9 +41,9 @@ def calibrate(
     setup: Setup,
 ) -> None:
     """PoD's layer groups for a model (Algorithm 1, App. B.2): pass the file to `--method pod -o groups=FILE`."""
-    from kvcli.analysis.calibrate import calibrate as run_calibration
-    from kvcli.outputs import check_output
-    from kvcli.report import dumps, print_result
+    from kvcli.eval.analysis.calibrate import calibrate as run_calibration
+    from kvcli.io.outputs import check_output
+    from kvcli.io.report import dumps, print_result
 
     check_seed(seed)
     setup.check_outputs({"--out": out}, source)
@@ -89,12 +89,12 @@ def adapt(
     setup: Setup,
 ) -> None:
     """PoD's light post-training (section 2.2): fine-tune with PoD attention active, save an HF folder."""
-    from kvcli.adapt import adapt as run_adapt
-    from kvcli.adapt import check_settings
-    from kvcli.models import discard
-    from kvcli.outputs import lock_folder
-    from kvcli.pod.groups import resolve
-    from kvcli.report import dumps, print_result
+    from kvcli.io.outputs import lock_folder
+    from kvcli.io.report import dumps, print_result
+    from kvcli.methods.pod.adapt import adapt as run_adapt
+    from kvcli.methods.pod.adapt import check_settings
+    from kvcli.methods.pod.groups import resolve
+    from kvcli.models.load import discard
 
     if save_every < 0:
         raise UsageError(f"--save-every must be >= 0, not {save_every}")

@@ -1,6 +1,6 @@
 """``kvcli summarize`` and ``kvcli ask``: read a whole document into a fixed-size cache, then write.
 
-:mod:`kvcli.generate` reads and writes; this module parses the options, applies presets, and sends
+:mod:`kvcli.reading.generate` reads and writes; this module parses the options, applies presets, and sends
 the generated text to stdout as it is produced (statistics to stderr).
 """
 
@@ -36,9 +36,9 @@ from kvcli.cli.options import (
     with_setup,
 )
 from kvcli.errors import UsageError
-from kvcli.prompts import ANSWER_REPETITION, SUMMARY_REPETITION, Repetition
-from kvcli.recap import RECAP_TOKENS
-from kvcli.sections import SECTION_TOKENS
+from kvcli.reading.prompts import ANSWER_REPETITION, SUMMARY_REPETITION, Repetition
+from kvcli.reading.recap import RECAP_TOKENS
+from kvcli.reading.sections import SECTION_TOKENS
 
 SourceArg = Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text; one by "
                                           "one with --each), or - for stdin.")]
@@ -99,7 +99,7 @@ def check_temperature(temperature: float) -> None:
 
 def check_recap(tokens: int) -> None:
     """``--recap`` is 0 (off) or room for at least one passage (a peak and its neighbours)."""
-    from kvcli.recap import passage_width
+    from kvcli.reading.recap import passage_width
 
     if tokens != 0 and tokens < passage_width():
         raise UsageError(f"--recap must be 0 (off) or at least {passage_width()} (one passage), not {tokens}")
@@ -165,7 +165,7 @@ def apply_presets(ctx: typer.Context, specs: list[str] | None, setup: Setup, rea
                   ) -> tuple[Setup, ReadOptions]:
     """Fill what the user did not give from presets; ``-o`` options update the presets' options and
     stop strings add to theirs."""
-    from kvcli.presets import merge
+    from kvcli.models.presets import merge
 
     merged = merge(specs)
     setup = dataclasses.replace(setup, **{k: merged[k] for k in SETUP_KEYS if k in merged and not explicit(ctx, k)})
@@ -176,11 +176,12 @@ def apply_presets(ctx: typer.Context, specs: list[str] | None, setup: Setup, rea
 
 def write_about(reader, parts, instruction, document, read: ReadOptions, section: int = 0, combine: bool = False,
                 **callbacks) -> tuple[object, list]:
-    """Read ``document`` and write about it: in sections when ``section`` (summarize, :mod:`kvcli.sections`; their
+    """Read ``document`` and write about it: in sections when ``section`` (summarize,
+    :mod:`kvcli.reading.sections`; their
     summaries then ``combine``d by one more pass or not), else in one pass. The
-    :class:`kvcli.generate.Generation` and the sections (none for one pass)."""
+    :class:`kvcli.reading.generate.Generation` and the sections (none for one pass)."""
     if section:
-        from kvcli.sections import summarize_in_sections
+        from kvcli.reading.sections import summarize_in_sections
 
         return summarize_in_sections(reader, instruction, document, read.max_new_tokens, section=section,
                                      combine=combine, one_shot=read.one_shot, probe=read.probe, **callbacks)
@@ -193,11 +194,9 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
                    about: dict, section: int = 0, combine: bool = False) -> None:
     """The shared body of ``summarize`` and ``ask``; ``about`` is what the user asked (the question, the prompt
     or template), recorded in every row of ``--rows``; ``section`` and ``combine``: summarize's sections."""
-    from kvcli.checkpoint import identity
     from kvcli.cli.render import reading_summary
-    from kvcli.generate import Reader, document_tokens
-    from kvcli.prompts import build_prompt, stop_token_ids
-    from kvcli.report import (
+    from kvcli.eval.checkpoint import identity
+    from kvcli.io.report import (
         ReadProgress,
         StdoutStream,
         dumps,
@@ -206,6 +205,8 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
         reset_peak_memory,
         stderr_console,
     )
+    from kvcli.reading.generate import Reader, document_tokens
+    from kvcli.reading.prompts import build_prompt, stop_token_ids
 
     setup, read = apply_presets(ctx, read.presets, setup, read)
     check_at_least(1, max_new_tokens=read.max_new_tokens)
@@ -303,14 +304,14 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
 def claim_rows(ctx: typer.Context, source: str, setup: Setup, read: ReadOptions, main: bool) -> None:
     """Before anything is opened: ``--rows`` apart from every input (the source, the model, the presets), writable,
     and held by this run (rank 0 of several) until the command ends."""
-    from kvcli.presets import find_preset
+    from kvcli.models.presets import find_preset
 
     setup.check_outputs({"--rows": read.rows}, source,
                         inputs=tuple(("--preset", find_preset(spec).path) for spec in read.presets))
     if read.rows is None:
         return
-    from kvcli.outputs import check_output
-    from kvcli.paths import hold_file
+    from kvcli.io.outputs import check_output
+    from kvcli.io.paths import hold_file
 
     check_output(read.rows, "--rows")
     if main:
@@ -321,10 +322,10 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
                   ranks, settings: dict, section: int = 0, combine: bool = False) -> None:
     """``--each``: every document read with a fresh cache and written about; one JSON row per document, which
     records ``settings`` (what made it) in ``--rows``; ``section`` and ``combine``: summarize's sections."""
-    from kvcli.corpus import run_corpus
-    from kvcli.generate import document_tokens
-    from kvcli.identity import rows_identity
-    from kvcli.report import DocumentProgress, dumps, print_result, stderr_console
+    from kvcli.io.corpus import run_corpus
+    from kvcli.io.identity import rows_identity
+    from kvcli.io.report import DocumentProgress, dumps, print_result, stderr_console
+    from kvcli.reading.generate import document_tokens
 
     tokenizer = reader.tokenizer
     primer = instruction.answer_prefix
@@ -390,7 +391,7 @@ def summarize(
     summary written to stdout in turn; with --template, --prompt or --answer-prefix the section summaries
     (then on stderr) are read once more with that instruction, and that answer goes to stdout.
     """
-    from kvcli.prompts import TEMPLATES, custom_instruction
+    from kvcli.reading.prompts import TEMPLATES, custom_instruction
 
     if prompt is not None and template is not None:
         raise UsageError("--prompt and --template are alternatives: give one")
@@ -424,7 +425,7 @@ def ask(
     A document too long for one forward is streamed in blocks, and the passages the question pointed at
     are read once more before it (--recap).
     """
-    from kvcli.prompts import question_instruction
+    from kvcli.reading.prompts import question_instruction
 
     if not question.strip():
         raise UsageError("the question is empty")

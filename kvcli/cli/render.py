@@ -14,8 +14,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvcli.presets import OTHER_KEYS
-from kvcli.report import mib
+from kvcli.io.report import mib
+from kvcli.models.presets import OTHER_KEYS
 
 
 def _console(buffer: io.StringIO, width: int = 120) -> Console:
@@ -103,7 +103,7 @@ def presets_listing(found: list, user_dir: Path) -> str:
 
 
 def cache_listing(entries: list, folder: Path) -> str:
-    """``kvcli cache``: each converted model (:class:`kvcli.modelcache.Entry`) with its size and source, then the
+    """``kvcli cache``: each converted model (:class:`kvcli.models.cache.Entry`) with its size and source, then the
     folder and the total."""
     lines = []
     for entry in entries:

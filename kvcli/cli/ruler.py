@@ -1,4 +1,4 @@
-"""``kvcli ruler``: RULER's synthetic tasks, every sample read as ``kvcli ask`` reads it (:mod:`kvcli.ruler`)."""
+"""``kvcli ruler``: RULER's synthetic tasks, every sample read as ``kvcli ask`` reads it (:mod:`kvcli.eval.ruler`)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from kvcli.cli.options import (
 )
 from kvcli.cli.reading import OneShotOpt, ProbeOpt, RecapOpt, check_recap
 from kvcli.errors import UsageError
-from kvcli.recap import RECAP_TOKENS
+from kvcli.reading.recap import RECAP_TOKENS
 
-#: The tasks of kvcli.ruler.TASKS, here so that --help and the checks need no torch.
+#: The tasks of kvcli.eval.ruler.TASKS, here so that --help and the checks need no torch.
 TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 
@@ -72,8 +72,8 @@ def ruler(
     prefix; its score is the share of expected values the answer writes as whole words or numbers. Prints the
     mean score per task, length and method with a 95% interval, and the average over tasks.
     """
+    from kvcli.io.outputs import check_output
     from kvcli.methods import METHODS
-    from kvcli.outputs import check_output
 
     task_list = split_list(tasks, str, "--tasks")
     for name in task_list:
@@ -105,8 +105,8 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
          max_new_tokens, one_shot, probe, options, bits, recap, json_out, rows, resume) -> None:
     import hashlib
 
-    from kvcli.report import dumps, print_result
-    from kvcli.ruler import Book, RulerLog, run_ruler
+    from kvcli.eval.ruler import Book, RulerLog, run_ruler
+    from kvcli.io.report import dumps, print_result
 
     text = "\n\n".join("".join(doc.read_chunks()) for doc in documents)
     book = Book(text)

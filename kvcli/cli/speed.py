@@ -1,7 +1,7 @@
 """``kvcli bench-speed``: tokens/s, model FLOPs utilisation and peak memory on a named model shape, kvcli next
 to a plain forward of the same blocks, in one run (random weights, nothing downloaded).
 
-:mod:`kvcli.bench.speed` builds and times; the table or the JSON object is the result (stdout), progress goes
+:mod:`kvcli.eval.bench.speed` builds and times; the table or the JSON object is the result (stdout), progress goes
 to stderr.
 """
 
@@ -60,10 +60,10 @@ def bench_speed(
 ) -> None:
     """Speed on a named model shape: tokens/s, MFU against the measured matmul rate, and peak memory, for kvcli
     and for a plain transformers forward of the same blocks. Random weights: nothing is downloaded."""
-    from kvcli.bench.speed import SHAPES, run_speed
     from kvcli.cli.render import speed_table
-    from kvcli.models import resolve_device, resolve_dtype
-    from kvcli.report import dumps, print_result, stderr_console
+    from kvcli.eval.bench.speed import SHAPES, run_speed
+    from kvcli.io.report import dumps, print_result, stderr_console
+    from kvcli.models.load import resolve_device, resolve_dtype
 
     if shape not in SHAPES:
         raise UsageError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")

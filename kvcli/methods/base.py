@@ -1,7 +1,7 @@
 """The small interface every compression method implements, and the helpers they share.
 
 A method is a dataclass whose fields are its parameters (set with ``-o KEY=VALUE``). After each
-forward pass the engine shows it one layer at a time (:class:`kvcli.cache.LayerView`) and the
+forward pass the engine shows it one layer at a time (:class:`kvcli.kv.cache.LayerView`) and the
 method answers with the token indices to keep per KV head, or ``None`` to keep everything.
 The same call serves block streaming (many new tokens), one-shot prefill (one big block) and
 decoding (one new token), so a method never needs three code paths.
@@ -15,17 +15,17 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from kvcli.errors import BudgetError, UsageError
-from kvcli.lazy import F, torch
+from kvcli.io.lazy import F, torch
 
 if TYPE_CHECKING:
-    from kvcli.cache import KVCache, LayerView
+    from kvcli.kv.cache import KVCache, LayerView
 
 
 class StepEviction(Protocol):
     """A method's eviction while writing, one token per step and KV head from full layers, in fixed shapes on the
-    device (:meth:`Method.step_eviction`), so that :mod:`kvcli.decode` can capture the step as a CUDA graph."""
+    device (:meth:`Method.step_eviction`), so that :mod:`kvcli.kv.decode` can capture the step as a CUDA graph."""
 
-    #: The per-token state (:attr:`kvcli.cache.CompressedLayer.state`) a step reads and updates.
+    #: The per-token state (:attr:`kvcli.kv.cache.CompressedLayer.state`) a step reads and updates.
     names: tuple[str, ...]
 
     def victim(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -61,12 +61,12 @@ class Method:
     #: cache grows by at most ``--max-new-tokens`` while answering (SnapKV, PyramidKV: their papers).
     keeps_answer: ClassVar[bool] = False
     #: While writing, each generated token evicts the oldest token after the first ``sinks`` (the method has
-    #: a ``sinks`` parameter): a window that :mod:`kvcli.decode` writes in a ring buffer (StreamingLLM).
+    #: a ``sinks`` parameter): a window that :mod:`kvcli.kv.decode` writes in a ring buffer (StreamingLLM).
     evicts_oldest_while_writing: ClassVar[bool] = False
 
     def new_cache(self, model: torch.nn.Module) -> KVCache:
         """The cache this method streams into: kvcli's ordinary one unless the method stores keys its own way."""
-        from kvcli.cache import KVCache
+        from kvcli.kv.cache import KVCache
 
         return KVCache.for_model(model)
 
@@ -78,12 +78,12 @@ class Method:
                       device: torch.device) -> StepEviction | None:
         """How a generated token's step evicts one token per KV head from layers full at ``budget`` (``heads``
         KV heads each; ``method_states`` theirs), as a program of fixed shapes on ``device``
-        (:class:`kvcli.decode.EvictingCache`), or None when only the engine's step can."""
+        (:class:`kvcli.kv.decode.EvictingCache`), or None when only the engine's step can."""
         return None
 
     def selects_per_head(self) -> bool:
         """Whether the KV heads of a layer may keep different tokens (then a streamed cache gives a token one
-        position in all of them: :attr:`kvcli.cache.KVCache.heads_apart`)."""
+        position in all of them: :attr:`kvcli.kv.cache.KVCache.heads_apart`)."""
         return False
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
@@ -119,7 +119,7 @@ class Method:
         """Whether a read that needs only its last position may compress each layer as soon as it has
         run and give the next layer only the tokens it passes on (PyramidInfer's nested selection).
         Hidden states are per token, so where KV heads choose apart the next layer gets the union of
-        what they pass. See :meth:`kvcli.engine.Engine.forward`."""
+        what they pass. See :meth:`kvcli.engine.engine.Engine.forward`."""
         return False
 
     def compress_nested(self, view: LayerView, budget: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -308,7 +308,7 @@ class ScoredMethod(Method):
 @dataclass
 class LowestStep:
     """A scored method's eviction while writing (:meth:`ScoredMethod.step_scores`), for
-    :class:`kvcli.decode.EvictingCache`: of a full layer's tokens outside the sinks and the recent window,
+    :class:`kvcli.kv.decode.EvictingCache`: of a full layer's tokens outside the sinks and the recent window,
     the lowest-scored goes, the latest of equal ones (:func:`select_top` keeps the earlier)."""
 
     method: ScoredMethod

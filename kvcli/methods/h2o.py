@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcli.lazy import torch
+from kvcli.io.lazy import torch
 from kvcli.methods.base import (
     AUTO_RECENT_HELP,
     ScoredMethod,
@@ -24,7 +24,7 @@ from kvcli.methods.base import (
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
-    from kvcli.cache import LayerView
+    from kvcli.kv.cache import LayerView
 
 STATE = "h2o"
 

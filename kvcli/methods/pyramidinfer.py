@@ -56,7 +56,7 @@ all its query heads, as the paper and its code do (``attn_weights.mean(dim=1)``)
 read nest its layers: hidden states are per token, so layer ``l + 1`` can skip the tokens layer ``l``
 dropped only if all heads dropped them. A read that needs only the last position (``summarize``,
 ``ask``, ``needle``) therefore compresses each layer as soon as it has run and hands the next layer
-only its pivotal contexts (:meth:`kvcli.engine.Engine.forward` with ``last_only``), which is the
+only its pivotal contexts (:meth:`kvcli.engine.engine.Engine.forward` with ``last_only``), which is the
 paper's faster prefill. The PvC is the sinks, the recent window and the retained fraction without the
 budget's cap (:meth:`PyramidInfer.passed_count`); the layer stores the first ``kept_count`` of the same
 ranking, so its cache is within its budget and always among its PvC, and PvCs nest layer on layer.
@@ -72,7 +72,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from kvcli.errors import UsageError
-from kvcli.lazy import torch
+from kvcli.io.lazy import torch
 from kvcli.methods.base import (
     ScoredMethod,
     Split,
@@ -91,7 +91,7 @@ from kvcli.methods.pyramidkv import apportion
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
-    from kvcli.cache import LayerView
+    from kvcli.kv.cache import LayerView
 
 STATE = "pyramidinfer"
 

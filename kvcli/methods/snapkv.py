@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcli.errors import UsageError
-from kvcli.lazy import torch
+from kvcli.io.lazy import torch
 from kvcli.methods.base import (
     ScoredMethod,
     check_split,
@@ -26,7 +26,7 @@ from kvcli.methods.base import (
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
-    from kvcli.cache import LayerView
+    from kvcli.kv.cache import LayerView
 
 
 def check_pooling(window: int, kernel: int, pooling: str) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcli.lazy import torch
+from kvcli.io.lazy import torch
 from kvcli.methods.base import Method, check_budget, param
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
-    from kvcli.cache import LayerView
+    from kvcli.kv.cache import LayerView
 
 
 @register

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcli.errors import UsageError
-from kvcli.lazy import torch
+from kvcli.io.lazy import torch
 from kvcli.methods.base import (
     Method,
     Split,
@@ -42,7 +42,7 @@ from kvcli.methods.base import (
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
-    from kvcli.cache import LayerView
+    from kvcli.kv.cache import LayerView
 
 AUTO_TREE_BLOCK = 16  # unit of block-level eviction when tree_block=0 and a call prefills an empty cache
 SCORE = "treekv_s"  # accumulated attention S, per token (gathered with K/V by the cache)
@@ -97,7 +97,7 @@ def pair_victim(scores: torch.Tensor, counts: torch.Tensor, first: torch.Tensor)
 @dataclass
 class PairStep:
     """TreeKV's eviction while writing (one token per step, :meth:`TreeKV.compress` with one new token) as a
-    program of fixed shapes for :class:`kvcli.decode.EvictingCache`, every layer's KV heads as rows, each
+    program of fixed shapes for :class:`kvcli.kv.decode.EvictingCache`, every layer's KV heads as rows, each
     layer's sweep index on the device.
 
     A step adds its query's attention to ``S`` and one to ``C`` (as :meth:`TreeKV._accumulate` does for a

@@ -1,0 +1,251 @@
+"""The block loop: a stream of tokens scored block by block through an engine, and what it adds up.
+
+:func:`score_stream` feeds blocks of ``engine.block`` tokens to ``engine.forward`` and sums the NLL
+of every token after the first (the hidden state at t - 1 scores token t, carried across blocks);
+:func:`score_sliding` is the papers' sliding-window protocol on top of it. They need of the engine
+only what :class:`BlockScorer` names, so this module does not import :mod:`kvcli.engine.engine` (which
+re-exports everything here, its historical home).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvcli.kv.cache import KVCache
+
+#: Sees the log-probabilities ``[rows, V]`` of scored tokens and their targets ``[rows]``, in stream order.
+LogitsHook = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class BlockStats:
+    """One block of a scored stream, for ``--jsonl`` curves and progress."""
+
+    position: int  # index in the stream of the block's last token
+    tokens: int  # tokens scored in this block
+    nll: float  # mean NLL of those tokens (nats)
+    cache_tokens: int  # largest per-layer cache size after compression
+    tokens_per_second: float
+
+
+@dataclass
+class StreamTotals:
+    """Running totals of a scored stream; everything a report needs, even after Ctrl-C."""
+
+    tokens: int = 0  # scored tokens
+    processed: int = 0  # tokens run through the model (scored or not)
+    nll_sum: float = 0.0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    max_cache_tokens: int = 0
+    kv_cache_bytes: int = 0
+    interrupted: bool = False
+    blocks: list[BlockStats] = field(default_factory=list)
+
+    @property
+    def nll(self) -> float:
+        return self.nll_sum / self.tokens if self.tokens else float("nan")
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll) if self.tokens else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.processed / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, other: StreamTotals) -> None:
+        self.tokens += other.tokens
+        self.processed += other.processed
+        self.nll_sum += other.nll_sum
+        self.num_bytes += other.num_bytes
+        self.seconds += other.seconds
+        self.max_cache_tokens = max(self.max_cache_tokens, other.max_cache_tokens)
+        self.kv_cache_bytes = max(self.kv_cache_bytes, other.kv_cache_bytes)
+        self.interrupted = self.interrupted or other.interrupted
+
+
+@dataclass
+class StreamState:
+    """Where a scored stream stands after a block: all a later process needs to continue it exactly
+    (the cache, the totals, the last hidden state that scores the next block's first token, and how
+    many tokens of the stream were read)."""
+
+    cache: KVCache
+    totals: StreamTotals
+    previous: torch.Tensor | None = None
+    position: int = 0
+
+
+class BlockScorer(Protocol):
+    """What the block loop needs of an engine (:class:`kvcli.engine.engine.Engine`)."""
+
+    block: int
+    lag_host_reads: bool
+
+    def new_cache(self) -> KVCache: ...
+
+    def forward(self, cache: KVCache, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int | None = None,
+                  on_logits: LogitsHook | None = None) -> torch.Tensor: ...
+
+    def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, score_from: int = 0,
+              on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+              on_logits: LogitsHook | None = None) -> StreamTotals: ...
+
+
+class _Ledger:
+    """Blocks whose NLL is still on the device, read to the host (the one read per block) into the totals.
+
+    With ``lag`` a block is read only after the next one is queued, so a GPU never idles waiting for
+    the host; the totals and per-block curve are the same as reading at once.
+    """
+
+    def __init__(self, totals: StreamTotals, on_block: Callable[[BlockStats, StreamTotals], None] | None,
+                 lag: bool):
+        self.totals, self.on_block, self.lag = totals, on_block, lag
+        self.pending: list[tuple] = []
+        self.clock = time.perf_counter()
+
+    def add(self, nll: torch.Tensor, scored: int, size: int, position: int, cache_tokens: int,
+            cache_bytes: int) -> None:
+        """One block done: ``nll`` (a device scalar) over ``scored`` of its ``size`` tokens."""
+        if self.pending:
+            self.settle()
+        self.pending.append((nll, scored, size, position, cache_tokens, cache_bytes))
+        if not self.lag:
+            self.settle()
+
+    def settle(self) -> None:
+        """Read the oldest pending block into the totals and report it."""
+        nll, scored, size, position, cache_tokens, cache_bytes = self.pending.pop(0)
+        totals = self.totals
+        value = float(nll)
+        now = time.perf_counter()
+        elapsed, self.clock = now - self.clock, now
+        totals.tokens += scored
+        totals.processed += size
+        totals.nll_sum += value
+        totals.kv_cache_bytes = cache_bytes
+        stats = BlockStats(position, scored, value / scored if scored else float("nan"), cache_tokens,
+                           size / elapsed if elapsed > 0 else 0.0)
+        totals.blocks.append(stats)
+        if self.on_block:
+            self.on_block(stats, totals)
+
+    def settle_all(self) -> None:
+        while self.pending:
+            self.settle()
+
+
+def score_stream(engine: BlockScorer, token_chunks: Iterable[list[int] | torch.Tensor], *,
+                 max_tokens: int | None = None, cache: KVCache | None = None, score_from: int = 0,
+                 on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+                 state: StreamState | None = None,
+                 on_state: Callable[[StreamState], None] | None = None,
+                 on_logits: LogitsHook | None = None) -> StreamTotals:
+    """Stream tokens through ``engine`` and sum the NLL of every token after the first (:meth:`Engine.score`)."""
+    cache = state.cache if state else (cache or engine.new_cache())
+    totals = state.totals if state else StreamTotals()
+    previous: torch.Tensor | None = state.previous if state else None  # last hidden state of the previous block
+    stream_pos = state.position if state else 0
+    started = time.perf_counter() - totals.seconds
+    # Checkpoints need the state of the block just done, so they read each block at once.
+    ledger = _Ledger(totals, on_block, lag=engine.lag_host_reads and on_state is None)
+    try:
+        for ids in blocks_of(token_chunks, engine.block, limit=None if max_tokens is None else max_tokens + 1):
+            hidden = engine.forward(cache, ids[None, :])
+            predictors = hidden[:-1] if previous is None else torch.cat((previous, hidden[:-1]))
+            targets = ids[1:] if previous is None else ids
+            first = stream_pos + (1 if previous is None else 0)  # stream index of targets[0]
+            skip = max(0, min(score_from - first, targets.shape[0]))
+            nll = engine.token_nll(predictors[skip:], targets[skip:], on_logits=on_logits).sum()
+            previous = hidden[-1:]
+            stream_pos += ids.shape[0]
+            cache_tokens = cache.max_tokens()
+            totals.max_cache_tokens = max(totals.max_cache_tokens, cache_tokens)
+            ledger.add(nll, targets.shape[0] - skip, ids.shape[0], stream_pos - 1, cache_tokens, cache.nbytes())
+            if on_state:
+                totals.seconds = time.perf_counter() - started
+                on_state(StreamState(cache, totals, previous, stream_pos))
+    except KeyboardInterrupt:
+        totals.interrupted = True
+    ledger.settle_all()
+    totals.seconds = time.perf_counter() - started
+    # After Ctrl-C the cache may hold part of a block that was never scored: every figure, the cache's
+    # bytes included, is that of the last block whose tokens the totals count.
+    if not totals.interrupted:
+        totals.kv_cache_bytes = cache.nbytes()
+    return totals
+
+
+
+def score_sliding(engine: BlockScorer, token_chunks: Iterable[list[int] | torch.Tensor], context: int, stride: int, *,
+                  lead: Sequence[int] = (), on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+                  on_logits: LogitsHook | None = None) -> StreamTotals:
+    """The papers' sliding-window protocol (TreeKV Table 1, Hugging Face's perplexity guide).
+
+    Windows of ``context`` tokens start every ``stride`` tokens; each is streamed from an empty
+    cache and only the tokens not scored by an earlier window count (the last ``stride`` ones,
+    all of them for the first window). Only the current window is held in memory.
+
+    ``lead`` (the tokenizer's BOS, when the stream starts with it) begins every window after the
+    first too, read but never scored, so that each window starts as a document does: a model
+    trained with a BOS in front (Gemma) scores much worse without it (docs/results.md).
+    """
+    if stride < 1 or context < stride or context - len(lead) < 2:
+        raise ValueError("need 1 <= stride <= context, and room for two tokens after the lead")
+    totals = StreamTotals()
+    source = iter(chunk.tolist() if isinstance(chunk, torch.Tensor) else list(chunk) for chunk in token_chunks)
+    buffer: list[int] = []  # tokens from stream index `begin` on
+    begin = scored_end = 0
+    exhausted = False
+    while True:
+        while not exhausted and len(buffer) < context:
+            try:
+                buffer.extend(next(source))
+            except StopIteration:
+                exhausted = True
+        head = list(lead) if begin > 0 else []
+        body = buffer[:context - len(head)]
+        if len(body) < 2 or (scored_end > 0 and begin + len(body) <= scored_end):
+            break
+        part = engine.score([head + body], score_from=scored_end - begin + len(head), on_block=on_block,
+                          on_logits=on_logits)
+        totals.add(part)
+        totals.blocks.extend(part.blocks)
+        scored_end = begin + len(body)
+        if part.interrupted or (exhausted and len(buffer) <= len(body)):
+            break
+        buffer = buffer[stride:]
+        begin += stride
+    return totals
+
+
+def blocks_of(chunks: Iterable[list[int] | torch.Tensor], size: int,
+              limit: int | None = None) -> Iterator[torch.Tensor]:
+    """Regroup a stream of token chunks into tensors of ``size`` tokens (the last may be shorter)."""
+    pending: list[int] = []
+    taken = 0
+    for chunk in chunks:
+        ids = chunk.tolist() if isinstance(chunk, torch.Tensor) else list(chunk)
+        if limit is not None:
+            ids = ids[: limit - taken]
+        taken += len(ids)
+        pending.extend(ids)
+        start = 0  # blocks are read from an offset and the list trimmed once per chunk: linear in the chunk,
+        while len(pending) - start >= size:  # where re-slicing the rest after every block is quadratic
+            yield torch.tensor(pending[start:start + size], dtype=torch.long)
+            start += size
+        del pending[:start]
+        if limit is not None and taken >= limit:
+            break
+    if pending:
+        yield torch.tensor(pending, dtype=torch.long)

@@ -1,0 +1,306 @@
+"""kvcli inside lm-evaluation-harness: the model ``kvcli``, whose every request runs through a compressed cache.
+
+    python -m kvcli.integrations.lm_eval --model kvcli --model_args method=treekv,cache=1024 \
+        --tasks TASK --include_path DIR
+
+lm-eval (``pip install 'kvcli[eval]'``, 0.4.10 to 0.4.x) finds a model by name in its registry, and no
+release reads plugin entry points: a model of another package is there only once that package is imported.
+This module registers :class:`KvcliLM` when it is imported, and nothing else in kvcli imports it (the library
+and the CLI run without lm-eval installed). So the two routes are ``python -m kvcli.integrations.lm_eval ARGS``
+(:func:`main`: lm-eval's own command line after this import) and, from Python, ``import kvcli.integrations.lm_eval``
+before ``lm_eval.simple_evaluate(model="kvcli", ...)``. Plain ``lm_eval --model kvcli`` does not find it.
+
+What each request type does under compression (docs/lm-eval.md):
+
+* ``loglikelihood(context, continuation)``: the context is read into a fresh cache as ``kvcli ask``
+  reads a document (:meth:`kvcli.reading.generate.Reader.read`: one forward pass when it fits the model's
+  context, else streamed in blocks, compressed to the budget either way); the continuation is then
+  run against that cache and scored token by token, greedy if every token is the argmax.
+* ``loglikelihood_rolling(text)``: the text is one stream scored by :meth:`kvcli.engine.engine.Engine.score`,
+  the function behind ``kvcli ppl``, with one token in front so that the first token is scored too.
+* ``generate_until(context, gen_kwargs)``: the context is read as above, then :meth:`Reader.write`
+  generates against the cache, every new token compressed like the rest.
+
+Requests run one at a time (kvcli streams one sequence per cache); ``batch_size`` is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+import lm_eval.models  # noqa: F401 - lm-eval fills its registry with the built-in models only when it is empty
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from kvcli.engine.engine import Engine
+from kvcli.errors import BudgetError, KvcliError, UsageError
+from kvcli.io.report import warn
+from kvcli.io.text import leading_special_tokens
+from kvcli.methods import make_method
+from kvcli.models.load import DEFAULT_MODEL, load_model
+from kvcli.reading.generate import Generation, Reader, one_shot_limit
+from kvcli.reading.prompts import PromptParts, stop_token_ids
+
+#: Bits per key and value element of the cache: 16 (the model's precision), 8, 4 or 2 (kvcli.kv.quant).
+KV_BITS = (16, 8, 4, 2)
+#: Keys of ``gen_kwargs`` that generation honours; lm-eval tasks may pass others (top_p), which are ignored.
+GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
+
+
+def _whole(name: str, value: int | str, minimum: int) -> int:
+    """A whole-number model_arg (lm-eval hands over digits as ints already, anything else as text)."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} must be a whole number, not {value!r}") from None
+    if number < minimum:
+        raise UsageError(f"{name} must be at least {minimum}, not {number}")
+    return number
+
+
+def _block(value: int | str) -> int | None:
+    """``block``: tokens per forward pass, or ``auto`` (None: the engine's default for the device)."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        block = int(value)
+    except ValueError:
+        raise UsageError(f"block must be a number of tokens or auto, not {value!r}") from None
+    if block < 1:
+        raise UsageError(f"block must be at least 1 token, not {block}")
+    return block
+
+
+def _device(value: str | None) -> str:
+    """The device to load on. lm-eval's command line passes ``cuda:0`` unless told otherwise; where CUDA is
+    missing that default becomes kvcli's ``auto``, as lm-eval's own Hugging Face model treats it."""
+    device = str(value or "auto")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        warn(f"device {device} is not available here (lm-eval passes cuda:0 by default): using the CPU")
+        return "auto"
+    return device
+
+
+def _one_shot(value: bool | str | None) -> bool | None:
+    """``one_shot``: read a context in one forward pass (true), always in blocks (false) or by size (auto)."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("auto", "none"):
+        return None
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise UsageError(f"one_shot must be true, false or auto, not {value!r}")
+
+
+@register_model("kvcli")
+class KvcliLM(TemplateLM):
+    """lm-eval's view of a kvcli engine: a model, a compression method and a budget, from ``--model_args``.
+
+    ``model_args`` keys: ``model`` (or lm-eval's ``pretrained``; any model ``kvcli ppl --model`` takes),
+    ``method``, ``cache`` (tokens per layer), ``block``, ``kv_bits`` (16, 8, 4 or 2), ``device``, ``dtype``,
+    ``one_shot`` (how a context is read: auto, true, false), ``max_gen_toks``, ``seed``; every other
+    key is a parameter of the method (``sinks=8``), as ``kvcli ppl -o sinks=8``.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, method: str = "streamingllm", cache: int = 1024,
+                 block: int | str = "auto", kv_bits: int = 16, device: str = "auto", dtype: str = "auto",
+                 one_shot: bool | str | None = None, max_gen_toks: int = 256, seed: int = 0,
+                 pretrained: str | None = None, batch_size: int | str | None = None,
+                 max_batch_size: int | None = None, **options) -> None:
+        super().__init__()
+        # Everything the user typed is checked before the model loads (seconds to minutes).
+        bits = _whole("kv_bits", kv_bits, 1)
+        if bits not in KV_BITS:
+            raise UsageError(f"kv_bits={kv_bits}: must be 16, 8, 4 or 2 (bits per cached key and value element)")
+        budget = _whole("cache", cache, 1)
+        block_size = _block(block)
+        self.one_shot = _one_shot(one_shot)
+        self.max_gen_toks = _whole("max_gen_toks", max_gen_toks, 1)
+        self.seed = _whole("seed", seed, 0)
+        method_obj = make_method(str(method), options)
+        loaded = load_model(str(pretrained or model), device=_device(device), dtype=str(dtype))
+        try:
+            self.engine = Engine(loaded.model, method_obj, budget, block=block_size, warn=warn, kv_bits=bits)
+        except BudgetError as exc:
+            raise UsageError(exc.for_flag("cache")) from None
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self._device = loaded.device
+        #: What kvcli puts before every document (a BOS, or nothing): read before every context too.
+        self.lead = leading_special_tokens(self.tokenizer)
+        self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
+        self._warned_kwargs: set[str] = set()
+
+    # --- what TemplateLM asks of a model ---------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token that conditions a text's first token: the tokenizer's own BOS when it adds one (what
+        ``kvcli ppl`` streams first, so rolling scores equal kvcli's), else lm-eval's convention for
+        Hugging Face models: the BOS token if the vocabulary has one, otherwise EOS."""
+        if self.lead:
+            return self.lead[0]
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Names the tokenizer in lm-eval's request cache and its record of a chat-templated run."""
+        return self.loaded.name.replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm-eval's ``--apply_chat_template``: the conversation as the tokenizer's chat template writes it.
+
+        As lm-eval's Hugging Face model does: without ``add_generation_prompt`` the last (assistant) message is
+        continued rather than closed, and a template that refuses a system turn gets the conversation without
+        it. The text keeps the template's special tokens (``<|im_start|>``), which :meth:`tok_encode` parses.
+        """
+        from jinja2.exceptions import TemplateError
+
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UsageError(f"{self.loaded.name} has no chat template: run without --apply_chat_template")
+
+        def render(history: list[dict[str, str]]) -> str:
+            return self.tokenizer.apply_chat_template(history, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt)
+
+        try:
+            return render(chat_history)
+        except TemplateError:
+            return render([message for message in chat_history if message["role"] != "system"])
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """Token ids of a piece of text; special tokens only when asked (contexts get them when read)."""
+        return list(self.tokenizer(string, add_special_tokens=bool(add_special_tokens), verbose=False).input_ids)
+
+    def tok_decode(self, tokens: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
+
+    # --- loglikelihood ----------------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        out = []
+        for key, context, continuation in tqdm(requests, desc="kvcli loglikelihood", disable=disable_tqdm):
+            answer = self.score_continuation(context, continuation)
+            self.cache_hook.add_partial("loglikelihood", key, answer)
+            out.append(answer)
+        return out
+
+    def _read(self, context: list[int], after: int) -> tuple[object, torch.Tensor]:
+        """A fresh cache holding ``context`` as kvcli reads a document, and the last context token's hidden
+        state. ``after`` tokens follow (continuation or generation): a one-shot read leaves room for them."""
+        parts = PromptParts(prefix=[] if context[:len(self.lead)] == self.lead else list(self.lead), suffix=[],
+                            chat=False)
+        reader = Reader(self.engine, self.tokenizer)
+        cache = self.engine.new_cache()
+        hidden = reader.read(cache, parts, [context], Generation(), one_shot=self.one_shot,
+                             limit=one_shot_limit(self.engine, after))
+        return cache, hidden
+
+    def score_continuation(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """Log-probability (nats) of ``continuation`` after ``context`` read into a compressed cache, and
+        whether greedy decoding would have written it. The continuation runs in blocks after the context:
+        its own tokens see each other exactly, and the cache only as the method left it."""
+        if not context:
+            raise KvcliError("a loglikelihood request needs a context (lm-eval gives the prefix token)")
+        if not continuation:
+            return 0.0, True
+        cache, hidden = self._read(context, len(continuation))
+        engine = self.engine
+        predictors = [hidden]
+        last = len(continuation) - 1  # the last token predicts nothing that is scored: it is never run
+        for start in range(0, last, engine.block):
+            ids = torch.tensor([continuation[start:min(start + engine.block, last)]], dtype=torch.long)
+            predictors.append(engine.forward(cache, ids))
+        greedy = [True]
+
+        def check(logprobs: torch.Tensor, targets: torch.Tensor) -> None:
+            greedy[0] = greedy[0] and bool((logprobs.argmax(dim=-1) == targets).all())
+
+        targets = torch.tensor(continuation, dtype=torch.long)
+        nll = engine.token_nll(torch.cat(predictors), targets, on_logits=check)
+        return -float(nll.sum()), greedy[0]
+
+    # --- loglikelihood_rolling --------------------------------------------------------------------
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for (text,) in tqdm([req.args for req in requests], desc="kvcli rolling", disable=disable_tqdm):
+            logprob = self.score_text(text)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), logprob)
+            out.append(logprob)
+        return out
+
+    def score_text(self, text: str) -> float:
+        """Log-probability (nats) of every token of ``text``: one stream through the compressed cache, scored
+        by the engine exactly as ``kvcli ppl`` scores a document. kvcli ppl leaves a document's first token
+        unscored (nothing predicts it); lm-eval wants it, so a tokenizer without a BOS gets
+        :attr:`prefix_token_id` in front, read and not scored. With a BOS the stream is kvcli ppl's own."""
+        ids = self.tok_encode(text)
+        if not ids:
+            return 0.0
+        stream = (self.lead or [self.prefix_token_id]) + ids
+        totals = self.engine.score([stream])
+        if totals.interrupted:  # the engine stops quietly on Ctrl-C; a partial score must not reach lm-eval
+            raise KeyboardInterrupt
+        return -totals.nll_sum
+
+    # --- generate_until ---------------------------------------------------------------------------
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for context, gen_kwargs in tqdm([req.args for req in requests], desc="kvcli generate",
+                                        disable=disable_tqdm):
+            text = self.generate(context, gen_kwargs)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            out.append(text)
+        return out
+
+    def generate(self, context: str, gen_kwargs: dict) -> str:
+        """Text written after ``context`` read into a compressed cache, cut before the first ``until`` string."""
+        ignored = sorted(set(gen_kwargs) - set(GEN_KWARGS) - self._warned_kwargs)
+        if ignored:
+            self._warned_kwargs.update(ignored)
+            warn(f"kvcli ignores gen_kwargs {', '.join(ignored)} (it honours {', '.join(GEN_KWARGS)})")
+        until = gen_kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+        temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
+        reader = Reader(self.engine, self.tokenizer, stop_ids=self.stop_ids, stop=until, temperature=temperature,
+                        seed=self.seed)
+        ids = self.tok_encode(context)
+        if not ids:
+            ids = [self.prefix_token_id]
+        cache, hidden = self._read(ids, max_new)
+        result = Generation()
+        reader.write(cache, hidden, result, max_new)
+        if result.finish_reason == "interrupted":  # the reader stops quietly on Ctrl-C; lm-eval must stop too
+            raise KeyboardInterrupt
+        return result.text
+
+
+def main() -> None:
+    """``python -m kvcli.integrations.lm_eval ARGS``: lm-eval's own command line, with the model ``kvcli`` registered.
+
+    A mistake in ``--model_args`` is one line on stderr (exit 2; 1 for a runtime problem such as a model
+    that is not installed), as everywhere in kvcli.
+    """
+    from lm_eval.__main__ import cli_evaluate
+
+    try:
+        cli_evaluate()
+    except UsageError as exc:
+        print(f"kvcli: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KvcliError as exc:
+        print(f"kvcli: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+

@@ -1,0 +1,197 @@
+"""The recap of a streamed read with a question: the passages the question pointed at, read once more.
+
+Beyond the papers (an ``ask`` reading choice, not a method). While a long document streams past a
+compressed cache, the question's probe attends to every block as it arrives. :class:`Recap` notes, per
+block, the tokens that the question's queries single out in the middle layers, and keeps the best few
+of them with ``radius`` neighbours on each side: token ids, a bounded number, never keys or values.
+After the document the reader streams those passages once more, in stream order, before the
+question. Re-read, they enter every layer and head of the cache with the context of their passage,
+where compression may have kept them in a few heads only (the measurements are in docs/results.md).
+Gathering the relevant tokens and recomputing their keys and values is the idea of REFORM (Song et al.,
+2025, "Compress, Gather, and Recompute"); the scores here are the method's own probe attention, so a
+method that scores nothing (StreamingLLM) gets no recap.
+
+The rules, and why:
+
+* A token's score is the largest share of a block that one query head of the middle layers (from a
+  third to five sixths of the depth) pays it, summed over the question's queries. The share is taken
+  over the block's own tokens, so every token is scored once, at first sight, against the same
+  question, and blocks compare; the bottom layers' question attention is spread or goes to frequent
+  words, the top layers' to the answer's format (docs/results.md, where a lost key survives).
+* A peak is the best token within ``radius`` of it, so passages do not repeat one another.
+* The block's last ``radius`` tokens are never peaks: the probe sits right after them, and nearness
+  alone draws its attention there. This also gives every peak its right-hand neighbours within its
+  block; the left-hand ones may come from the block before.
+* A passage ends and begins between words: it reaches up to ``reach`` more tokens to finish a word cut by
+  its radius, or else gives up the cut word (never the peak): a number cut short teaches the model a wrong
+  number (docs/reading.md). Two tokens join into one word when the first ends and the second begins with a
+  letter or digit (digits are tokens of their own in the tokenizers kvcli reads).
+* The recap and the question end the last block, and a scored method keeps that block whole with the
+  question (:attr:`kvcli.kv.cache.LayerView.held`): the recap was read so that every layer and head holds what
+  the question pointed at, and the question's queries alone would let a top layer drop part of it again.
+* Scores, peaks and passages stay on the device until the recap is asked for, so the block loop
+  never waits on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from itertools import chain
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the defaults below without it
+    import torch
+
+#: What ``kvcli ask`` re-reads at most by default: half the default cache of 1,024 (docs/results.md).
+RECAP_TOKENS = 512
+#: Tokens each side of a peak that its passage keeps: a short sentence around a word the question finds.
+RADIUS = 8
+#: Tokens past its radius a passage may take on each side to finish a word (a 7-digit key is 7 tokens).
+REACH = 8
+#: Stored ids: outside the document (its edge is a word boundary), and past the block (not known yet).
+OUTSIDE, UNSEEN = -1, -2
+
+
+def word_joins(tokenizer) -> Callable[[int, int], bool]:
+    """Whether two token ids, in this order, are one word: the first's text ends and the second's begins with a
+    letter or digit ("6" "0" in "60494", "swe" "pt"), as opposed to " key" after "pass" or "." after "4"."""
+
+    @cache
+    def text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    def joins(first: int, second: int) -> bool:
+        return text(first)[-1:].isalnum() and text(second)[:1].isalnum()
+
+    return joins
+
+
+def passage_width(radius: int = RADIUS) -> int:
+    """Tokens in one passage, a peak and ``radius`` neighbours on each side: the least a recap holds."""
+    return 2 * radius + 1
+
+
+def scored_layers(num_layers: int) -> range:
+    """The middle layers whose question attention scores the recap: from a third to five sixths of the depth."""
+    return range(num_layers // 3, 5 * num_layers // 6 + 1)
+
+
+class Recap:
+    """At most ``tokens`` token ids of the document that the question pointed at, in stream order.
+
+    Feed every streamed block with :meth:`observe` while its attention records are alive (the engine's
+    ``observe`` hook), then take :meth:`passages`. ``first`` is the first stream index that may be
+    recapped (the document's start: the chat template's prefix is never repeated).
+    """
+
+    def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0, reach: int = REACH):
+        self.width = passage_width(radius)
+        if radius < 0 or reach < 0 or tokens < self.width:
+            raise ValueError(f"a recap holds at least one passage of {self.width} tokens, not {tokens}")
+        self.tokens, self.radius, self.first, self.reach = tokens, radius, first, reach
+        self.side = radius + reach + 1  # stored ids each side of a peak: one more shows where a word began
+        # Peaks are at least ``radius + 1`` apart, so their passages overlap by at most half: twice the
+        # passages that fit side by side are enough to fill the recap.
+        self.slots = max(1, 2 * tokens // (radius + 1))
+        self.scores: torch.Tensor | None = None  # [slots] best first
+        self.starts: torch.Tensor | None = None  # [slots] stream index of each passage's first token
+        self.ids: torch.Tensor | None = None  # [slots, 2 * side + 1] token ids, OUTSIDE / UNSEEN
+        self.tail: torch.Tensor | None = None  # the previous block's last ``side`` ids
+
+    def observe(self, cache, ids: list[int], start: int) -> None:
+        """Score the block ``ids`` (stream indices from ``start``) by the question's attention recorded in
+        ``cache``'s layers, and keep its best passages among those seen so far."""
+        import torch
+
+        n = len(ids)
+        share = self._block_share(cache, n)
+        device = share.device if share is not None else torch.device("cpu")
+        block = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+        side = self.side
+        tail, self.tail = self.tail, block[max(n - side, 0):]
+        if share is None:
+            return
+        left = block.new_full((side,), OUTSIDE)  # the passages' left neighbours from the block before
+        if tail is not None and tail.numel():
+            left[side - tail.numel():] = tail.to(device)
+        ext = torch.cat((left, block, block.new_full((side,), UNSEEN)))
+        share = torch.cat((share, share.new_full((n - share.numel(),), -1.0)))  # the last radius: no peaks
+        share = share.masked_fill(start + torch.arange(n, device=device) < self.first, -1.0)
+        # Peaks only: a token below the best within ``radius`` of it would repeat most of that one's passage.
+        nearby = torch.nn.functional.max_pool1d(share[None, None], self.width, stride=1, padding=self.radius)[0, 0]
+        share = share.masked_fill(share < nearby, -1.0)
+        top = share.topk(min(self.slots, n))
+        offsets = torch.arange(2 * side + 1, device=device)
+        passage = ext[top.indices[:, None] + offsets]  # into ext: peak - side ...
+        first = start + top.indices - side
+        passage = passage.masked_fill(first[:, None] + offsets < self.first, OUTSIDE)
+        if self.scores is None:
+            scores, starts, kept = top.values, first, passage
+        else:
+            scores = torch.cat((self.scores, top.values))
+            starts = torch.cat((self.starts, first))
+            kept = torch.cat((self.ids, passage))
+        best = scores.topk(min(self.slots, scores.numel()))
+        self.scores, self.starts, self.ids = best.values, starts[best.indices], kept[best.indices]
+
+    def _block_share(self, cache, n: int) -> torch.Tensor | None:
+        """``[n - radius]``: each block token's largest share of the block (its last ``radius`` tokens left out)
+        paid by one query head of the middle layers, the question's queries summed; None when no layer
+        recorded the question's attention or the block is no longer than ``radius``."""
+        import torch
+
+        best = None
+        if n <= self.radius:
+            return None
+        for i in scored_layers(len(cache.layers)):
+            layer = cache.layers[i]
+            record = getattr(layer, "record", None)
+            if record is None or record.probe is None or layer.window is not None:
+                continue
+            # The block is each head's last n tokens before compression.
+            probs = record.probe[..., -n:-self.radius if self.radius else None].float()
+            share = (probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)).amax(dim=(0, 1))
+            best = share if best is None else torch.maximum(best, share)
+        return best
+
+    def passages(self, joins: Callable[[int, int], bool] | None = None) -> list[int]:
+        """The recap's token ids in stream order: the best passages first, as many as fit ``tokens``
+        (a passage that would overflow it is left out), overlapping passages merged. ``joins``
+        (:func:`word_joins`) moves each passage's ends to word boundaries; without it a passage is its peak
+        and ``radius`` tokens each side."""
+        if self.scores is None:
+            return []
+        scores, starts, ids = self.scores.tolist(), self.starts.tolist(), self.ids.tolist()
+        chosen: dict[int, int] = {}
+        for score, start, span in zip(scores, starts, ids, strict=True):
+            if score <= 0:
+                break  # masked tokens and later ones: no peak left
+            lo, hi = self._edges(span, joins)
+            new = {start + j: span[j] for j in range(lo, hi) if span[j] >= 0 and start + j not in chosen}
+            if len(chosen) + len(new) > self.tokens:
+                continue
+            chosen.update(new)
+        return [chosen[index] for index in sorted(chosen)]
+
+    def _edges(self, span: list[int], joins: Callable[[int, int], bool] | None) -> tuple[int, int]:
+        """Where a stored passage (its peak at ``side``) begins and ends (exclusive) between words: its radius
+        stretched by up to ``reach`` tokens to the word boundary beyond it, else pulled in to the boundary
+        within it (never past the peak), else left where the radius puts it."""
+        peak = self.side
+        lo, hi = peak - self.radius, peak + self.radius + 1
+        if joins is None:
+            return lo, hi
+
+        def cut(i: int) -> bool | None:  # a boundary between span[i - 1] and span[i]; None: not known
+            before, after = span[i - 1], span[i]
+            if OUTSIDE in (before, after):
+                return True
+            if UNSEEN in (before, after):
+                return None
+            return not joins(before, after)
+
+        # The first boundary outward, else the first inward (towards the peak), else the radius's edge.
+        start = next((i for i in chain(range(lo, 0, -1), range(lo + 1, peak + 1)) if cut(i)), lo)
+        end = next((i for i in chain(range(hi, len(span)), range(hi - 1, peak, -1)) if cut(i)), hi)
+        return start, end
