@@ -117,3 +117,12 @@ def test_the_documented_scripts_import_names_that_exist():
                 missing += [f"{script.name}: {node.module}.{alias.name}" for alias in node.names
                             if not hasattr(module, alias.name)]
     assert not missing, missing
+
+
+def test_the_package_root_holds_only_the_front_door_and_its_folders():
+    """A newcomer opening kvcli/ sees the layers as folders: at the root only the public API (``__init__``),
+    ``python -m kvcli`` (``__main__``) and the errors every layer raises."""
+    modules = sorted(path.name for path in ROOT.glob("*.py"))
+    assert modules == ["__init__.py", "__main__.py", "errors.py"]
+    folders = sorted(path.name for path in ROOT.iterdir() if (path / "__init__.py").is_file())
+    assert set(folders) == set(LAYERS) - {"errors", "__init__", "__main__"}
