@@ -20,7 +20,7 @@ PUBLIC = {
     "Method": "kvcli.methods",
     "Engine": "kvcli.engine.engine",
     "score_stream": "kvcli.engine.streaming",
-    "Reader": "kvcli.reading.generate",
+    "Reader": "kvcli.reading.reader",
     "KvcliError": "kvcli.errors",
 }
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvcli.errors import KvcliError
     from kvcli.methods import METHODS, Method, make_method
     from kvcli.models.load import load_model
-    from kvcli.reading.generate import Reader
+    from kvcli.reading.reader import Reader
 
 
 def __getattr__(name: str) -> object:

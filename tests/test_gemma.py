@@ -60,8 +60,8 @@ def test_summarize_streams_a_document_and_writes_within_budget(gemma, books, nam
     """`kvcli summarize` with Gemma 3: a document read in blocks (3k tokens, cache 256, the chat template's
     end-of-turn stops it), every budgeted layer within budget while reading and writing."""
     from kvcli.io.documents import open_source
-    from kvcli.reading.generate import Reader, document_tokens
     from kvcli.reading.prompts import TEMPLATES, build_prompt, stop_token_ids
+    from kvcli.reading.reader import Reader, document_tokens
 
     engine = Engine(gemma.model, make_method(name), 256, block=256)
     tokenizer = gemma.tokenizer

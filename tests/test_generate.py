@@ -13,7 +13,7 @@ from kvcli.errors import UsageError
 from kvcli.eval.needle import NEEDLE, excerpt_offset, haystack, haystacks, is_correct, sentence_break, word_break
 from kvcli.methods import METHODS, make_method
 from kvcli.models.load import tiny_llama
-from kvcli.reading.generate import Generation, Reader, TextStream
+from kvcli.reading.generate import Generation, TextStream
 from kvcli.reading.prompts import (
     ASK_FRAME,
     TEMPLATES,
@@ -25,6 +25,7 @@ from kvcli.reading.prompts import (
     question_instruction,
     stop_token_ids,
 )
+from kvcli.reading.reader import Reader
 
 DOC = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do."
 
@@ -355,8 +356,8 @@ def test_pass_key_from_a_real_book_excerpt(smollm, books, one_thread):
     """The default model finds a key hidden in a ~1.5k-token excerpt, read one-shot and compressed to 512."""
     from kvcli.eval.needle import ANSWER_PREFIX, QUESTION, book_tokens
     from kvcli.io.documents import open_source
-    from kvcli.reading.generate import Reader
     from kvcli.reading.prompts import question_instruction
+    from kvcli.reading.reader import Reader
 
     tokenizer = smollm.tokenizer
     method = "snapkv" if "snapkv" in METHODS else "full"
@@ -402,7 +403,7 @@ def test_one_shot_cap_follows_the_gpus_free_memory():
     from types import SimpleNamespace
 
     from kvcli.eval.bench.speed import shape_config
-    from kvcli.reading.generate import ONE_SHOT_CAP, one_shot_cap, one_shot_limit, prefill_bytes_per_token
+    from kvcli.reading.reader import ONE_SHOT_CAP, one_shot_cap, one_shot_limit, prefill_bytes_per_token
 
     config = shape_config("llama-3.1-8b")
     weights = torch.nn.Linear(1, 1, dtype=torch.bfloat16, device="meta")

@@ -18,8 +18,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvcli.engine.engine import Engine
 from kvcli.methods import make_method
-from kvcli.reading.generate import Reader
 from kvcli.reading.prompts import PromptParts
+from kvcli.reading.reader import Reader
 
 
 def ids_of(n: int, seed: int = 3) -> torch.Tensor:

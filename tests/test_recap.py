@@ -11,8 +11,8 @@ import torch
 from kvcli.engine.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models.load import tiny_llama
-from kvcli.reading.generate import RECAP_SEPARATOR, Reader
 from kvcli.reading.prompts import PromptParts
+from kvcli.reading.reader import RECAP_SEPARATOR, Reader
 from kvcli.reading.recap import Recap, scored_layers, word_joins
 
 LAYERS = 12  # scored: layers 4 to 10

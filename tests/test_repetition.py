@@ -12,7 +12,7 @@ from conftest import TEXT
 from kvcli.engine.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models.load import tiny_llama
-from kvcli.reading.generate import Reader, RepetitionGuard
+from kvcli.reading.generate import RepetitionGuard
 from kvcli.reading.prompts import (
     ANSWER_REPETITION,
     SUMMARY_REPETITION,
@@ -22,6 +22,7 @@ from kvcli.reading.prompts import (
     build_prompt,
     question_instruction,
 )
+from kvcli.reading.reader import Reader
 from kvcli.reading.sections import Section, line_breaks, split_sections, summarize_in_sections
 
 

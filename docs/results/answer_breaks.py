@@ -23,8 +23,9 @@ from kvcli.eval.needle import DEFAULT_DEPTHS, QUESTION, book_tokens, haystacks, 
 from kvcli.io.documents import open_source
 from kvcli.methods import make_method
 from kvcli.models.load import load_model
-from kvcli.reading.generate import Generation, Reader
+from kvcli.reading.generate import Generation
 from kvcli.reading.prompts import build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.reading.reader import Reader
 
 
 def layers_of(spec: str) -> list[int]:

@@ -4,7 +4,7 @@ Usage: ``python docs/results/ask_tuning.py BOOK [--length WORDS_x_1.39] [--trial
 [--methods a,b] [--cache N] [-o [METHOD.]KEY=VALUE] [--prefix TEXT]``. Each trial takes a random
 excerpt of the book (``random.Random(--seed)``), hides a needle at a random word boundary (``--fixed``:
 the issue's needle and question, five-digit keys, depths 10, 30, 50, 70, 90 %), and reads and answers
-it with :class:`kvcli.reading.generate.Reader` and the prompt ``kvcli ask`` builds (no answer prefix unless
+it with :class:`kvcli.reading.reader.Reader` and the prompt ``kvcli ask`` builds (no answer prefix unless
 ``--prefix``), exactly as ``kvcli ask DOC QUESTION --method M --cache N`` does. One JSON line per
 trial, then the totals. Settings were chosen with it on the tuning books only (docs/results.md).
 """
@@ -20,8 +20,8 @@ from kvcli.engine.engine import Engine
 from kvcli.eval.needle import NEEDLES, QUESTIONS, is_correct
 from kvcli.methods import make_method
 from kvcli.models.load import load_model
-from kvcli.reading.generate import Reader
 from kvcli.reading.prompts import build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.reading.reader import Reader
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 

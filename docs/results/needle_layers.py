@@ -24,8 +24,9 @@ from kvcli.eval.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_toke
 from kvcli.io.documents import open_source
 from kvcli.methods import make_method
 from kvcli.models.load import load_model
-from kvcli.reading.generate import RECAP_SEPARATOR, Generation, Reader
+from kvcli.reading.generate import Generation
 from kvcli.reading.prompts import build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.reading.reader import RECAP_SEPARATOR, Reader
 from kvcli.reading.recap import RECAP_TOKENS, Recap
 
 

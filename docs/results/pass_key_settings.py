@@ -19,8 +19,8 @@ from kvcli.eval.needle import ANSWER_PREFIX, DEFAULT_DEPTHS, QUESTION, book_toke
 from kvcli.io.documents import open_source
 from kvcli.methods import make_method
 from kvcli.models.load import load_model
-from kvcli.reading.generate import Reader
 from kvcli.reading.prompts import build_prompt, question_instruction, stop_token_ids
+from kvcli.reading.reader import Reader
 
 LENGTH, BUDGET = 6000, 512
 

@@ -22,8 +22,9 @@ from kvcli.eval.needle import ANSWER_PREFIX, QUESTION, book_tokens, excerpt_offs
 from kvcli.io.documents import open_source
 from kvcli.methods import make_method
 from kvcli.models.load import load_model
-from kvcli.reading.generate import Generation, Reader
+from kvcli.reading.generate import Generation
 from kvcli.reading.prompts import build_prompt, question_instruction, stop_token_ids
+from kvcli.reading.reader import Reader
 
 
 def main() -> None:

@@ -16,13 +16,13 @@ import statistics
 
 import torch
 
-import kvcli.reading.generate as generate
+import kvcli.reading.reader as reading
 from kvcli.engine.engine import Engine
 from kvcli.eval.needle import haystacks
 from kvcli.methods import make_method
 from kvcli.models.load import load_model
-from kvcli.reading.generate import Reader
 from kvcli.reading.prompts import build_prompt, encode, question_instruction, stop_token_ids
+from kvcli.reading.reader import Reader
 from kvcli.reading.recap import Recap, scored_layers
 
 RANGES = ((7, 7), (7, 8), (0, 29), (10, 25))
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--depths", default="0.2,0.5,0.8")
     parser.add_argument("--method", default="snapkv")
     args = parser.parse_args()
-    shipped = generate.Recap
+    shipped = reading.Recap
     loaded = load_model("smollm2-135m")
     tokenizer = loaded.tokenizer
     with open(args.book, encoding="utf-8") as file:
@@ -74,7 +74,7 @@ def main() -> None:
         recorder = Recorder(512, first=len(parts.prefix))
         reader = Reader(Engine(loaded.model, make_method(args.method), 1024, block=256), tokenizer, stop_ids=stop,
                         recap=512)
-        generate.Recap = lambda *_, made=recorder, **__: made  # the reader makes its recap by this name
+        reading.Recap = lambda *_, made=recorder, **__: made  # the reader makes its recap by this name
         reader.run(parts, [stack.doc], 1, one_shot=False)
         starts = torch.cat([torch.arange(start, start + rows.shape[1]) for start, rows in recorder.blocks])
         scores = torch.cat([rows for _, rows in recorder.blocks], dim=1)
@@ -86,7 +86,7 @@ def main() -> None:
             ranks[(low, high)].append(rank)
             line.append(f"layers {low}-{high}: {rank}")
         print(f"depth {stack.depth} trial {stack.trial} key {stack.key}: " + ", ".join(line), flush=True)
-    generate.Recap = shipped
+    reading.Recap = shipped
     for (low, high), values in ranks.items():
         print(f"layers {low}-{high}: median rank {statistics.median(values):.1f}, "
               f"in the top 30 {sum(rank <= 30 for rank in values)} of {len(values)}")

@@ -26,7 +26,7 @@ from collections import Counter
 from kvcli.engine.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models.load import load_model
-from kvcli.reading.generate import Generation, Reader
+from kvcli.reading.generate import Generation
 from kvcli.reading.prompts import (
     SUMMARY_REPETITION,
     TEMPLATES,
@@ -37,6 +37,7 @@ from kvcli.reading.prompts import (
     question_instruction,
     stop_token_ids,
 )
+from kvcli.reading.reader import Reader
 from kvcli.reading.recap import RECAP_TOKENS
 from kvcli.reading.sections import summarize_in_sections
 
@@ -137,7 +138,7 @@ def repeat(loaded, book: str, text_ids: list[int], new_tokens: dict[str, int], s
         read = Generation()
         hidden = reader.read(cache, build_prompt(tokenizer, instruction), [text_ids], read, one_shot=False)
         for name in settings:
-            reader.repetition = SETTINGS[name]
+            reader.writer.repetition = SETTINGS[name]
             gen = Generation()
             reader.write(snapshot(cache), hidden, gen, new_tokens[command])
             row = {"model": loaded.name, "book": key, "command": command, "setting": name, **measure(gen.text),

@@ -1,6 +1,6 @@
 """``kvcli summarize`` and ``kvcli ask``: read a whole document into a fixed-size cache, then write.
 
-:mod:`kvcli.reading.generate` reads and writes; this module parses the options, applies presets, and sends
+:mod:`kvcli.reading.reader` reads and writes; this module parses the options, applies presets, and sends
 the generated text to stdout as it is produced (statistics to stderr).
 """
 
@@ -205,8 +205,8 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
         reset_peak_memory,
         stderr_console,
     )
-    from kvcli.reading.generate import Reader, document_tokens
     from kvcli.reading.prompts import build_prompt, stop_token_ids
+    from kvcli.reading.reader import Reader, document_tokens
 
     setup, read = apply_presets(ctx, read.presets, setup, read)
     check_at_least(1, max_new_tokens=read.max_new_tokens)
@@ -325,7 +325,7 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
     from kvcli.io.corpus import run_corpus
     from kvcli.io.identity import rows_identity
     from kvcli.io.report import DocumentProgress, dumps, print_result, stderr_console
-    from kvcli.reading.generate import document_tokens
+    from kvcli.reading.reader import document_tokens
 
     tokenizer = reader.tokenizer
     primer = instruction.answer_prefix

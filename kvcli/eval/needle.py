@@ -2,7 +2,7 @@
 
 A sentence holding a random key is hidden at a relative depth of an excerpt of a book, the model is
 asked for the key, and the answer counts as correct when it writes the key as a whole number
-(:func:`is_correct`). Each trial reads the haystack through :class:`kvcli.reading.generate.Reader` exactly as
+(:func:`is_correct`). Each trial reads the haystack through :class:`kvcli.reading.reader.Reader` exactly as
 ``kvcli ask`` does, with the same prompt and no answer prefix unless one is asked for: one-shot prefill
 when the prompt fits, otherwise streamed with the question as a probe. The needle sentence, the question's wording and
 the key's length vary from trial to trial, and the needle sits at any word boundary, so a rate does
@@ -24,7 +24,6 @@ from kvcli.errors import KvcliError, UsageError
 from kvcli.eval.kl import token_digest
 from kvcli.io.identity import as_json, first_difference, resumed_trials
 from kvcli.io.outputs import RowLog
-from kvcli.reading.generate import Reader
 from kvcli.reading.prompts import (
     ANSWER_REPETITION,
     build_prompt,
@@ -33,6 +32,7 @@ from kvcli.reading.prompts import (
     question_instruction,
     stop_token_ids,
 )
+from kvcli.reading.reader import Reader
 from kvcli.reading.recap import RECAP_TOKENS
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."

@@ -470,8 +470,8 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
     :func:`recall`. ``max_new_tokens`` caps every task's own answer length (:attr:`Task.answer_tokens`)."""
     from kvcli.engine.engine import Engine, check_budget
     from kvcli.methods import make_method
-    from kvcli.reading.generate import Reader
     from kvcli.reading.prompts import stop_token_ids
+    from kvcli.reading.reader import Reader
 
     tasks, methods, lengths = list(tasks), list(methods), list(lengths)
     for name in tasks:

@@ -2,7 +2,7 @@
 
 ``kvcli summarize`` and ``kvcli ask`` wrap a document in the model's chat template (or a plain-text cue
 for a base model): :func:`build_prompt` splits the rendered prompt into the tokens before and after
-the document, which :mod:`kvcli.reading.generate` reads around it. Nothing here runs a model.
+the document, which :mod:`kvcli.reading.reader` reads around it. Nothing here runs a model.
 """
 
 from __future__ import annotations

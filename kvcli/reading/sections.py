@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 from kvcli.reading.prompts import TEMPLATES, Instruction, PromptParts, build_prompt, encode
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the defaults below without it
-    from kvcli.reading.generate import Generation, Reader
+    from kvcli.reading.generate import Generation
+    from kvcli.reading.reader import Reader
 
-#: Tokens of a section by default: read in one shot on a CPU (kvcli.reading.generate.ONE_SHOT_CAP), compressed to
+#: Tokens of a section by default: read in one shot on a CPU (kvcli.reading.reader.ONE_SHOT_CAP), compressed to
 #: the cache (chosen on the tuning books: docs/notes/2026-11-27-repetition.md).
 SECTION_TOKENS = 4096
 #: Tokens a section's summary may take: a few sentences.

@@ -215,8 +215,7 @@ def run_grid(
     common = settings(loaded, stream, block)
     head = metadata(common, stream)
     finished = {run_key(run): run for run in results["runs"]}
-    keys = [run_key({**common, "method": spec.method, "cache": spec.budget,
-                     "params": spec.build().settings(), "kv_bits": spec.kv_bits}) for spec in specs]
+    keys = planned_keys(common, specs)
     skipped = [finished[key] for key in keys if key in finished]
     pending = [spec for spec, key in zip(specs, keys, strict=True) if key not in finished]
     if skipped and on_skip:
@@ -225,8 +224,7 @@ def run_grid(
     measured = 0
     try:
         if pending and warm_up:
-            warm = Engine(loaded.model, pending[0].build(), pending[0].budget, block=block, warn=lambda message: None)
-            interrupted = warm.score([stream.ids[: 2 * block + 1]]).interrupted
+            interrupted = warm_up_on(loaded, stream, pending[0], block)
         reference = out_dir / REFERENCE_FILE
         if pending and kl and not interrupted:
             if on_reference:
@@ -238,26 +236,11 @@ def run_grid(
                 break
             if on_start:
                 on_start(spec, index, len(pending))
-            meter = KLMeter(Reference(reference)) if kl else None
-            try:
-                totals, peak = measure(loaded, stream, spec, block, on_block=on_block, warn=warn,
-                                       on_logits=meter.add if meter else None)
-            finally:
-                if meter:
-                    meter.reference.close()
-            if totals.interrupted:
+            record = measure_run(loaded, stream, spec, block, reference if kl else None, on_block=on_block, warn=warn)
+            if record is None:
                 interrupted = True
                 break
-            record = run_record(loaded, stream, spec, block, totals, peak)
-            if meter:
-                divergence = meter.finish().as_dict()
-                divergence.pop("kl_base")  # always REFERENCE_FILE beside results.json
-                record.update(divergence)
-            key = run_key(record)
-            results.update(head, updated=now())
-            results["runs"] = [run for run in results["runs"] if run_key(run) != key] + [record]
-            save_results(out_dir, results)
-            finished[key] = record
+            finished[save_run(out_dir, results, head, record)] = record
             measured += 1
             if on_run:
                 on_run(record, index, len(pending))
@@ -265,6 +248,51 @@ def run_grid(
         interrupted = True
     runs = [finished[key] for key in keys if key in finished]
     return GridResult(runs, results, head, len(skipped), measured, interrupted)
+
+
+def planned_keys(common: dict, specs: Sequence[RunSpec]) -> list[str]:
+    """The key (:func:`run_key`) each planned run is saved under, to find the runs already in results.json."""
+    return [run_key({**common, "method": spec.method, "cache": spec.budget, "params": spec.build().settings(),
+                     "kv_bits": spec.kv_bits}) for spec in specs]
+
+
+def warm_up_on(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: int) -> bool:
+    """Score the stream's first two blocks untimed with ``spec``, so that the first measured run's tokens/s
+    does not pay for thread pools and kernel selection; True when Ctrl-C stopped it."""
+    warm = Engine(loaded.model, spec.build(), spec.budget, block=block, warn=lambda message: None)
+    return warm.score([stream.ids[: 2 * block + 1]]).interrupted
+
+
+def measure_run(loaded: LoadedModel, stream: TokenStream, spec: RunSpec, block: int, reference: Path | None, *,
+                on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+                warn: Callable[[str], None] | None = None) -> dict | None:
+    """One cell measured (:func:`measure`) and recorded (:func:`run_record`), with its KL divergence from the
+    ``reference`` file when there is one; None when Ctrl-C stopped it, so that no partial run is recorded."""
+    meter = KLMeter(Reference(reference)) if reference is not None else None
+    try:
+        totals, peak = measure(loaded, stream, spec, block, on_block=on_block, warn=warn,
+                               on_logits=meter.add if meter else None)
+    finally:
+        if meter:
+            meter.reference.close()
+    if totals.interrupted:
+        return None
+    record = run_record(loaded, stream, spec, block, totals, peak)
+    if meter:
+        divergence = meter.finish().as_dict()
+        divergence.pop("kl_base")  # always REFERENCE_FILE beside results.json
+        record.update(divergence)
+    return record
+
+
+def save_run(out_dir: Path, results: dict, head: dict, record: dict) -> str:
+    """Put ``record`` into ``results`` (in place of an earlier run with its key) and save results.json at once,
+    so that a grid stopped later keeps it; returns its key."""
+    key = run_key(record)
+    results.update(head, updated=now())
+    results["runs"] = [run for run in results["runs"] if run_key(run) != key] + [record]
+    save_results(out_dir, results)
+    return key
 
 
 def metadata(common: dict, stream: TokenStream) -> dict:

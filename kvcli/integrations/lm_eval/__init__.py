@@ -13,7 +13,7 @@ before ``lm_eval.simple_evaluate(model="kvcli", ...)``. Plain ``lm_eval --model 
 What each request type does under compression (docs/lm-eval.md):
 
 * ``loglikelihood(context, continuation)``: the context is read into a fresh cache as ``kvcli ask``
-  reads a document (:meth:`kvcli.reading.generate.Reader.read`: one forward pass when it fits the model's
+  reads a document (:meth:`kvcli.reading.reader.Reader.read`: one forward pass when it fits the model's
   context, else streamed in blocks, compressed to the budget either way); the continuation is then
   run against that cache and scored token by token, greedy if every token is the argmax.
 * ``loglikelihood_rolling(text)``: the text is one stream scored by :meth:`kvcli.engine.engine.Engine.score`,
@@ -42,8 +42,9 @@ from kvcli.io.report import warn
 from kvcli.io.text import leading_special_tokens
 from kvcli.methods import make_method
 from kvcli.models.load import DEFAULT_MODEL, load_model
-from kvcli.reading.generate import Generation, Reader, one_shot_limit
+from kvcli.reading.generate import Generation
 from kvcli.reading.prompts import PromptParts, stop_token_ids
+from kvcli.reading.reader import Reader, one_shot_limit
 
 #: Bits per key and value element of the cache: 16 (the model's precision), 8, 4 or 2 (kvcli.kv.quant).
 KV_BITS = (16, 8, 4, 2)

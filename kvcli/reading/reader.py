@@ -1,0 +1,241 @@
+"""Reading a whole document into a KV cache that never outgrows its budget, then having the answer written.
+
+The pipeline behind ``kvcli summarize`` and ``kvcli ask`` (and the pass-key grid) has two phases; this module
+is the read, :mod:`kvcli.reading.generate` the write (:class:`Reader` runs one after the other).
+
+* **read**: the prompt is ``prefix + document + suffix`` (see :func:`kvcli.reading.prompts.build_prompt`). A prompt that
+  fits the model's context in one affordable forward is prefilled in one shot, so that the end of
+  the prompt (the question) is the observation window of the compression, as in SnapKV; kept
+  tokens then stay at their positions if the method's paper keeps them (``Method.keeps_positions``). A longer
+  document is streamed in blocks, the cache compressed after each one, and the suffix is passed as a
+  *probe* on every block: its queries join the observation window without entering the cache, so
+  the method keeps what the question looks at (query-aware compression). The last block carries
+  the suffix itself. Only the last prompt token's hidden state is used, so every read forward is
+  ``last_only``: a method that nests its layers (PyramidInfer) gives each layer only the tokens the
+  layer below kept (a block with a probe is not nested: the probe scores after the whole block).
+* **write**: the answer is generated from that last hidden state, one compressed forward per token
+  (:class:`kvcli.reading.generate.AnswerWriter`).
+
+Nothing here knows about the CLI: text arrives as chunks of token ids, generated text leaves through
+a callback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+
+import torch
+
+from kvcli.engine.engine import Engine, kv_bytes_per_token
+from kvcli.errors import KvcliError
+from kvcli.kv.cache import KVCache
+from kvcli.reading.generate import AnswerWriter, Generation
+from kvcli.reading.prompts import PromptParts, Repetition, encode
+from kvcli.reading.recap import Recap, word_joins
+
+#: One forward pass over this many tokens is what auto one-shot prefill allows at most on a CPU (the
+#: explicit CPU attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
+#: A GPU's cap comes from its free memory instead (:func:`one_shot_cap`).
+ONE_SHOT_CAP = {"cpu": 8192}
+#: Share of a GPU's free memory (after loading the model) that an auto one-shot prefill may fill; the
+#: rest is left to the allocator's fragmentation, the decode steps and other processes on the card.
+ONE_SHOT_MEMORY_SHARE = 0.5
+#: Between the document and its recap: a paragraph break, as between the documents of a folder.
+RECAP_SEPARATOR = "\n\n"
+
+
+def prefill_bytes_per_token(model, dtype: torch.dtype) -> int:
+    """Memory one prompt token holds during a one-shot forward pass on a GPU: its keys and values in
+    every layer (:func:`kvcli.engine.engine.kv_bytes_per_token`: the method compresses only after the pass) and
+    its share of one layer's activations (a few hidden-size vectors and the MLP's two intermediate ones).
+    SDPA's attention is linear in memory there, and the observation window is scored in bounded chunks."""
+    config = model.config
+    hidden = int(config.hidden_size)
+    intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    size = torch.empty((), dtype=dtype).element_size()
+    return kv_bytes_per_token(model, dtype) + size * (4 * hidden + 2 * intermediate)
+
+
+def one_shot_cap(engine: Engine, free_bytes: int | None = None) -> int:
+    """Tokens one forward pass may take on ``engine``'s device: a fixed cap on a CPU; on a GPU as many
+    as fill :data:`ONE_SHOT_MEMORY_SHARE` of its free memory (``free_bytes``, else measured), in
+    whole thousands of tokens, so a larger card reads longer prompts in one shot."""
+    device = engine.device
+    if device.type != "cuda":
+        return ONE_SHOT_CAP["cpu"]
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    dtype = next(engine.model.parameters()).dtype
+    tokens = int(ONE_SHOT_MEMORY_SHARE * free_bytes) // prefill_bytes_per_token(engine.model, dtype)
+    return tokens // 1024 * 1024
+
+
+def one_shot_limit(engine: Engine, max_new_tokens: int, free_bytes: int | None = None) -> int:
+    """Largest prompt prefilled in one forward by default: the trained context minus room for the
+    answer, capped so that one forward pass stays affordable on the device (:func:`one_shot_cap`)."""
+    cap = one_shot_cap(engine, free_bytes)
+    if engine.trained_context:
+        cap = min(cap, engine.trained_context - max_new_tokens)
+    return max(cap, 0)
+
+
+class Reader:
+    """Reads a document into a compressed cache (the read phase), then has its :class:`AnswerWriter`
+    (:attr:`writer`) write the answer from it (the write phase), on one engine."""
+
+    def __init__(self, engine: Engine, tokenizer, *, stop_ids: Iterable[int] = (), stop: Iterable[str] = (),
+                 temperature: float = 0.0, seed: int = 0, recap: int = 0, repetition: Repetition = Repetition(),
+                 on_progress: Callable[[int, int, float], None] | None = None):
+        """``recap``: a streamed read with a question re-reads at most this many document tokens that the
+        question pointed at before the question (:mod:`kvcli.reading.recap`); 0 = none. ``stop_ids``,
+        ``stop``, ``temperature``, ``seed`` and ``repetition`` are the writer's (:class:`AnswerWriter`)."""
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.recap = recap
+        self.on_progress = on_progress  # (tokens read, current cache tokens, seconds so far)
+        self.writer = AnswerWriter(engine, tokenizer, stop_ids=stop_ids, stop=stop, temperature=temperature,
+                                   seed=seed, repetition=repetition)
+
+    # --- read -------------------------------------------------------------------------------------
+    def read(self, cache, parts: PromptParts, document: Iterable[list[int]], result: Generation, *,
+             one_shot: bool | None = None, limit: int | None = None, probe: bool = True) -> torch.Tensor:
+        """Put ``prefix + document + suffix`` into ``cache``; return the last prompt token's hidden state.
+
+        ``one_shot`` None decides by size: a prompt of at most ``limit`` tokens is one forward.
+        """
+        started = time.perf_counter()
+        if one_shot is False:
+            limit = -1
+        elif one_shot is True:
+            limit = None
+        chunks = iter(document)
+        buffered, whole = _opening(parts, chunks, limit)
+        if whole:
+            hidden = self._read_whole(cache, parts, buffered, result, started)
+        else:
+            hidden = self._stream(cache, parts, buffered, chunks, result, probe, started)
+        result.read_seconds = time.perf_counter() - started
+        return hidden[-1:]
+
+    def _read_whole(self, cache, parts: PromptParts, buffered: list[int], result: Generation,
+                    started: float) -> torch.Tensor:
+        """The prompt in one forward: its end, the question, is the observation window of the compression."""
+        result.one_shot = True
+        # Within the context, methods whose papers keep positions do so (see KVCache.keep_positions).
+        cache.keep_positions = self.engine.method.keeps_positions
+        ids = buffered + parts.suffix
+        result.prompt_tokens = len(ids)
+        result.document_tokens = len(ids) - len(parts.prefix) - len(parts.suffix)
+        hidden = self._forward(cache, ids, None, result, last_only=True, question=len(parts.suffix))
+        self._progress(result.prompt_tokens, cache, started)
+        return hidden
+
+    def _stream(self, cache, parts: PromptParts, buffered: list[int], rest: Iterator[list[int]],
+                result: Generation, probe: bool, started: float) -> torch.Tensor:
+        """The prompt in blocks of the engine's size, compressed after each, with the question as the probe
+        of every block (``probe``), then the recap, and the question at the end of the last block."""
+        block = self.engine.block
+        suffix = parts.suffix
+        probe_ids = torch.tensor([suffix], dtype=torch.long) if probe and suffix else None
+        recap = Recap(self.recap, first=len(parts.prefix)) if self.recap and probe_ids is not None else None
+        pending = buffered
+        read = 0
+
+        def blocks(observer: Recap | None) -> None:
+            # Keep at least one token back: the last block goes through with the suffix.
+            nonlocal read
+            while len(pending) > block:
+                ids = pending[:block]
+                seen = partial(observer.observe, ids=ids, start=cache.stream_start) if observer else None
+                self._forward(cache, ids, probe_ids, result, last_only=True, observe=seen)
+                read += len(ids)
+                del pending[:block]
+                self._progress(read, cache, started)
+
+        for chunk in _chain([pending], rest):
+            if chunk is not pending:
+                pending.extend(chunk)
+            blocks(recap)
+        document = read + len(pending) - len(parts.prefix)
+        asked = len(suffix) if probe_ids is not None else 0
+        held = asked
+        if recap is not None and (again := recap.passages(word_joins(self.tokenizer))):
+            result.recap_tokens = len(again)
+            pending.extend(encode(self.tokenizer, RECAP_SEPARATOR) + again)
+            blocks(None)
+            held += len(pending)  # the last block, the recap in it, stays with the question
+        total = read + len(pending) + len(suffix)
+        result.prompt_tokens = total
+        result.document_tokens = document
+        # The question ends this block: its own queries score the last compression, as the probe scored
+        # every compression before it (with --no-probe the block's own window decides).
+        hidden = self._forward(cache, pending + suffix, None, result, last_only=True, question=asked, held=held)
+        self._progress(total, cache, started)
+        return hidden
+
+    def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,
+                 last_only: bool = False, question: int = 0,
+                 observe: Callable[[KVCache], None] | None = None, held: int = 0) -> torch.Tensor:
+        """One engine forward; ``last_only``: only the last token's hidden state is used (a read), so a
+        nesting method (PyramidInfer) may skip the hidden states of the tokens a layer drops; ``question``:
+        the last tokens of ``ids`` that are the question; ``observe`` and ``held`` (:meth:`Engine.forward`)."""
+        if not ids:
+            raise KvcliError("the prompt is empty")
+        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe,
+                                     last_only=last_only, question=question, observe=observe, held=held)
+        result.max_cache_tokens = max(result.max_cache_tokens, cache.max_tokens())
+        return hidden
+
+    def _progress(self, read: int, cache, started: float) -> None:
+        if self.on_progress:
+            self.on_progress(read, cache.max_tokens(), time.perf_counter() - started)
+
+    # --- write ------------------------------------------------------------------------------------
+    def write(self, cache, hidden: torch.Tensor, result: Generation, max_new_tokens: int,
+              on_text: Callable[[str], None] | None = None) -> None:
+        """The write phase after :meth:`read` (:meth:`AnswerWriter.write`), for callers that read once and
+        write from the cache themselves (lm-eval's generation, a cache copied to write several answers)."""
+        self.writer.write(cache, hidden, result, max_new_tokens, on_text)
+
+    def run(self, parts: PromptParts, document: Iterable[list[int]], max_new_tokens: int, *,
+            one_shot: bool | None = None, limit: int | None = None, probe: bool = True,
+            on_text: Callable[[str], None] | None = None, on_read: Callable[[Generation], None] | None = None,
+            ) -> Generation:
+        """Read ``document`` between ``parts`` into a fresh cache, then generate."""
+        if limit is None:
+            limit = one_shot_limit(self.engine, max_new_tokens)
+        result = Generation()
+        cache = self.engine.new_cache()
+        hidden = self.read(cache, parts, document, result, one_shot=one_shot, limit=limit, probe=probe)
+        if on_read:
+            on_read(result)
+        self.writer.write(cache, hidden, result, max_new_tokens, on_text)
+        return result
+
+
+def _chain(first: Iterable[list[int]], rest: Iterator[list[int]]) -> Iterator[list[int]]:
+    yield from first
+    yield from rest
+
+
+def _opening(parts: PromptParts, chunks: Iterator[list[int]], limit: int | None) -> tuple[list[int], bool]:
+    """The prefix and the document's first chunks, taken while they and the suffix fit ``limit`` tokens (None:
+    no limit); True when the document ended within them, so that the prompt is read in one forward."""
+    buffered = list(parts.prefix)
+    while limit is None or len(buffered) + len(parts.suffix) <= limit:
+        try:
+            buffered.extend(next(chunks))
+        except StopIteration:
+            return buffered, True
+    return buffered, False
+
+
+def document_tokens(documents, tokenizer, separator: str = "\n\n") -> Iterator[list[int]]:
+    """Token ids of one or more :class:`kvcli.io.documents.Document` as one text, without BOS/EOS (the
+    prompt's prefix carries them), documents joined by ``separator``."""
+    from kvcli.io.text import token_stream
+
+    for chunk in token_stream(documents, tokenizer, special_tokens=False, separator=separator):
+        yield chunk.ids
