@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from kvcli.errors import BudgetError, UsageError
 from kvcli.io.lazy import F, torch
+from kvcli.methods.batching import ScoredBatches, layer_answers, place, uneven_layer_answers
 
 if TYPE_CHECKING:
     from kvcli.kv.cache import KVCache, LayerView
@@ -158,7 +159,8 @@ class ScoredMethod(Method):
     accumulate across blocks (H2O, PyramidInfer); :meth:`score` runs only when the layer must shrink.
     The sinks and the recent window are always kept; ties go to the earlier token (:func:`select_top`).
     Subclasses declare ``sinks: int`` and ``recent: int | None`` as parameters (their defaults differ
-    by paper), which this class reads.
+    by paper), which this class reads. Beyond the papers, the reader's question is kept too
+    (:func:`question_tail`); layers that stand alike are compressed as one batch (:mod:`kvcli.methods.batching`).
     """
 
     #: The per-token state :meth:`step_scores` reads and updates.
@@ -219,30 +221,20 @@ class ScoredMethod(Method):
         return self._compress_alike([view], budget, self.kept_count(view, budget))[0]
 
     def compress_layers(self, views: list[LayerView], budgets: list[int]) -> list[torch.Tensor | None]:
-        """Layers that stand alike (the same length, kept count, protected tokens and record and state
-        shapes: every layer of a uniform budget in a stream) are observed, scored and selected as one
-        batch, their heads as rows; each row is what :meth:`compress` computes for its layer alone."""
-        groups: dict[tuple, list[int]] = {}
-        counts = []
-        for i, (view, budget) in enumerate(zip(views, budgets, strict=True)):
-            count = self.kept_count(view, budget)
-            counts.append(count)
-            groups.setdefault((count, self._protected_span(view, budget, count), *_batch_key(view)), []).append(i)
+        """Layers that stand alike are observed, scored and selected as one batch, their heads as rows; lone
+        layers that differ in length or count only, as one padded batch (:class:`ScoredBatches`). Each row is
+        what :meth:`compress` computes for its layer alone."""
+        counts = [self.kept_count(view, budget) for view, budget in zip(views, budgets, strict=True)]
+        spans = [self._protected_span(view, budget, count)
+                 for view, budget, count in zip(views, budgets, counts, strict=True)]
+        batches = ScoredBatches.of(views, counts, spans)
         kept: list[torch.Tensor | None] = [None] * len(views)
-        uneven: dict[tuple, list[int]] = {}
-        for members in groups.values():
-            first = views[members[0]]
-            if len(members) == 1 and first.length > counts[members[0]]:
-                uneven.setdefault(_batch_key(first, uneven=True), []).append(members[0])
-                continue
-            chosen = self._compress_alike([views[i] for i in members], budgets[members[0]], counts[members[0]])
-            for i, keep in zip(members, chosen, strict=True):
-                kept[i] = keep
-        for members in uneven.values():
-            chosen = self._compress_uneven([views[i] for i in members], [budgets[i] for i in members],
-                                           [counts[i] for i in members])
-            for i, keep in zip(members, chosen, strict=True):
-                kept[i] = keep
+        for members in batches.alike:
+            place(kept, members, self._compress_alike([views[i] for i in members], budgets[members[0]],
+                                                      counts[members[0]]))
+        for members in batches.uneven:
+            place(kept, members, self._compress_uneven([views[i] for i in members], [budgets[i] for i in members],
+                                                       [counts[i] for i in members]))
         return kept
 
     def _compress_uneven(self, views: list[LayerView], budgets: list[int], counts: list[int]) -> list[torch.Tensor]:
@@ -255,11 +247,8 @@ class ScoredMethod(Method):
         spans = tuple(self._protected_span(view, budget, count)
                       for view, budget, count in zip(views, budgets, counts, strict=True))
         scores = self.padded_scores(views, width)
-        rows, heads = scores.shape[0] // len(views), views[0].num_heads
-        chosen = select_top_uneven(scores, spans, tuple(counts), rows, views[0].layer.device)
-        if rows != heads:  # one choice per layer: every KV head keeps it
-            chosen = chosen.view(len(views), rows, -1).expand(len(views), heads, -1).reshape(len(views) * heads, -1)
-        return [keep[:, :count] for keep, count in zip(chosen.split(heads), counts, strict=True)]
+        chosen = select_top_uneven(scores, spans, tuple(counts), scores.shape[0] // len(views), views[0].layer.device)
+        return uneven_layer_answers(chosen, counts, views[0].num_heads)
 
     def padded_scores(self, views: list[LayerView], width: int) -> torch.Tensor:
         """Layers of different lengths observed (:meth:`observe`) and scored (:meth:`score_layers`) as rows
@@ -276,33 +265,38 @@ class ScoredMethod(Method):
         if first.length <= count:
             return [None] * len(views)
         protected = recent_and_sinks(*self._protected_span(first, budget, count), first.layer.device)
-        chosen = select_top(self.score_layers(views), protected, count)
-        rows = chosen.shape[0] // len(views)
-        parts = chosen.split(rows) if len(views) > 1 else (chosen,)
-        return [keep if rows == first.num_heads else keep.expand(first.num_heads, count) for keep in parts]
+        return layer_answers(select_top(self.score_layers(views), protected, count), len(views), first.num_heads,
+                             count)
 
     def protected(self, view: LayerView, budget: int, count: int) -> torch.Tensor:
-        """Boolean ``[T]``: the sinks, the recent window and the reader's question, kept whatever they score.
-
-        Beyond the papers: the question (:attr:`LayerView.question`) is what the answer is written from,
-        so it stays where the method's window is shorter (PyramidKV's 8), up to half of what the layer
-        keeps beside its sinks, so that a small top layer still has room for what the question asks
-        about (measured in docs/methods.md). After a recap the whole last block (:attr:`LayerView.held`)
-        stays with it, up to three quarters: the recap was read so that every layer and head holds what the
-        question pointed at, and scored by the question's queries a top layer would drop part of it again
-        (a key's last digit: docs/reading.md). A layer below the mean budget (PyramidKV's top layers) holds
-        less, its room less a quarter of the mean room, so that it keeps as many scored tokens of the rest of
-        the book as an average layer would; a layer at the mean holds its three quarters.
-        """
+        """Boolean ``[T]``: the sinks, the recent window and the reader's question (:func:`question_tail`), kept
+        whatever they score."""
         return recent_and_sinks(*self._protected_span(view, budget, count), view.layer.device)
 
     def _protected_span(self, view: LayerView, budget: int, count: int) -> tuple[int, int, int]:
-        """``(length, sinks, recent)`` of :meth:`protected`."""
-        room = max(count - self.sinks, 0)
-        mean_room = max((view.mean_budget or budget) - self.sinks, 0)
-        held_room = min(room * 3 // 4, room - mean_room // 4)
-        tail = max(min(view.question, room // 2), min(view.held, held_room))
+        """``(length, sinks, recent)`` of :meth:`protected`: the question's tail where it is longer than the window."""
+        tail = question_tail(view, budget, count, self.sinks)
         return view.length, self.sinks, max(self.kept_recent(view, budget), tail)
+
+
+def question_tail(view: LayerView, budget: int, count: int, sinks: int) -> int:
+    """How many of a layer's last tokens a scored method keeps for the reader's question, whatever they score,
+    when the layer keeps ``count`` tokens of which ``sinks`` sinks (0 when nothing is read for a question).
+
+    Beyond the papers: the question (:attr:`LayerView.question`) is what the answer is written from,
+    so it stays where the method's window is shorter (PyramidKV's 8), up to half of what the layer
+    keeps beside its sinks, so that a small top layer still has room for what the question asks
+    about (measured in docs/methods.md). After a recap the whole last block (:attr:`LayerView.held`)
+    stays with it, up to three quarters: the recap was read so that every layer and head holds what the
+    question pointed at, and scored by the question's queries a top layer would drop part of it again
+    (a key's last digit: docs/reading.md). A layer below the mean budget (PyramidKV's top layers) holds
+    less, its room less a quarter of the mean room, so that it keeps as many scored tokens of the rest of
+    the book as an average layer would; a layer at the mean holds its three quarters.
+    """
+    room = max(count - sinks, 0)
+    mean_room = max((view.mean_budget or budget) - sinks, 0)
+    held_room = min(room * 3 // 4, room - mean_room // 4)
+    return max(min(view.question, room // 2), min(view.held, held_room))
 
 
 @dataclass
@@ -332,19 +326,6 @@ class LowestStep:
 
     def save(self, method_states: list[dict[str, object]]) -> None:
         """Nothing: the scores live in the per-token state."""
-
-
-def _batch_key(view: LayerView, uneven: bool = False) -> tuple:
-    """What layers must share to be compressed as one batch, beside their protected span; ``uneven``:
-    what layers that differ in length must share (:meth:`ScoredMethod._compress_uneven`)."""
-    record = view.record
-
-    def shape(tensor: torch.Tensor | None):
-        return None if tensor is None else tensor.shape[:-1] if uneven else tensor.shape
-
-    seen = None if record is None else (record.window, record.own_window, shape(record.probs), shape(record.probe))
-    state = tuple((name, shape(value)) for name, value in view.layer.state.items())
-    return view.num_new, view.num_heads, seen, state
 
 
 def layer_rows(tensors: list[torch.Tensor]) -> torch.Tensor:

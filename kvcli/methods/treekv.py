@@ -14,10 +14,13 @@ neighbour pairs, so each sweep is one vectorised step (see :func:`pair_rule`). A
 per call the pairs are units of ``tree_block`` consecutive tokens (the paper's block-level
 prefill, section 4.2), scored by the mean of their tokens' averaged attention.
 
+Algorithm 1 is :func:`accumulate` (lines 6-8: S and C) and :class:`TreeRegion` (lines 9-16: the
+evictions, with :func:`pair_rule`); :class:`TreeKV` runs them on every layer of a block.
+
 Beyond the paper, for streamed reads with a question (``kvcli ask``, ``needle``): the pair rule
 compares neighbours, so of two adjacent tokens that both matter (the digits of a number) one goes
 whenever the sweep meets them. When a block carries a probe, the ``guard`` tree-region tokens around
-the question's attention peaks sit out that block's sweep (see docs/methods.md).
+the question's attention peaks sit out that block's sweep (:class:`QuestionGuard`, docs/methods.md).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvcli.methods.base import (
     select_top,
     set_per_token_rows,
 )
+from kvcli.methods.batching import alike_groups, place
 from kvcli.methods.registry import register
 
 if TYPE_CHECKING:
@@ -100,7 +104,7 @@ class PairStep:
     program of fixed shapes for :class:`kvcli.kv.decode.EvictingCache`, every layer's KV heads as rows, each
     layer's sweep index on the device.
 
-    A step adds its query's attention to ``S`` and one to ``C`` (as :meth:`TreeKV._accumulate` does for a
+    A step adds its query's attention to ``S`` and one to ``C`` (as :func:`accumulate` does for a
     one-query window), then evicts by :func:`pair_victim` at the tree region's ``idx``-th token.
     """
 
@@ -112,7 +116,7 @@ class PairStep:
     names = (SCORE, COUNT)  # the per-token state a step reads and updates
 
     def victim(self, probs: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        scores = state[SCORE].add_(group_mean(probs.flatten(0, 1)))  # as _accumulate
+        scores = state[SCORE].add_(group_mean(probs.flatten(0, 1)))  # as accumulate
         counts = state[COUNT].add_(1.0)
         gone = pair_victim(scores, counts, (self.idx + self.sinks).repeat_interleave(self.heads, dim=0))
         self.idx.add_(1).remainder_(self.selected)
@@ -137,6 +141,136 @@ def remove(positions: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
     flags.scatter_(1, drop, 1)
     kept = flags.argsort(dim=1, stable=True)[:, :positions.shape[1] - drop.shape[1]]
     return positions.gather(1, kept)
+
+
+def accumulate(views: list[LayerView]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 1, lines 6-8: add the block's attention to S and the number of recorded queries that saw each
+    token to C.
+
+    Returns both as rows ``[R, T]``, every layer's heads in turn; each layer keeps its own rows.
+    """
+    scores, counts = per_token_rows(views, SCORE), per_token_rows(views, COUNT)
+    first = views[0]
+    record, new, length = first.record, first.num_new, first.length
+    if record is None:
+        return scores, counts
+    probs = layer_rows([view.record.probs for view in views]).mean(dim=1)  # [R, T]: GQA group averaged
+    scores = scores + (probs if probs.shape[1] == length else probs[:, :length])
+    # The block's own window sees new token j only from block index j on; extra probe queries see all.
+    own = min(record.own_window, new)
+    counts = counts + float(record.window)
+    if own > 1:  # new token j missed the first max(0, own - (new - j)) of the block's window queries
+        missed = (own - torch.arange(new, 0, -1, device=counts.device)).clamp(min=0).float()
+        counts[:, length - new:] -= missed
+    set_per_token_rows(views, SCORE, scores)
+    set_per_token_rows(views, COUNT, counts)
+    return scores, counts
+
+
+@dataclass
+class TreeRegion:
+    """The tree region ``[lo, hi)`` of ``R`` rows of a cache of ``length`` tokens over its budget (``selected``
+    settled tokens, then the ``excess`` ones that arrived), and Algorithm 1's evictions from it, lines 9-16.
+
+    An eviction answers the region's surviving indices ``[R, k]`` (0 at ``lo``, ascending) and the next
+    sweep index ``idx`` (0-based in the region); :meth:`kept` turns them into the cache indices to keep.
+    """
+
+    lo: int
+    hi: int
+    length: int
+    selected: int
+    rows: int
+    device: torch.device
+
+    @property
+    def excess(self) -> int:
+        """Tokens to evict: what the region holds beyond ``selected``."""
+        return (self.hi - self.lo) - self.selected
+
+    def everything(self) -> torch.Tensor:
+        """Every index of the region, in order, in every row: ``[R, hi - lo]``."""
+        return torch.arange(self.hi - self.lo, device=self.device).expand(self.rows, self.hi - self.lo)
+
+    def evict_one(self, scores: torch.Tensor, counts: torch.Tensor, idx: int) -> torch.Tensor:
+        """Lines 10-15 once (a decoding step: one comparison, cheaper than a sweep): the cache indices to keep
+        ``[R, T - 1]``."""
+        gone = pair_victim(scores, counts, torch.arange(self.lo + idx, self.lo + idx + 1, device=self.device))
+        kept = torch.arange(self.length - 1, device=self.device).expand(self.rows, self.length - 1)
+        return kept + (kept >= gone).long()
+
+    def importance(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Line 10: the averaged attention ``S / C`` of the region's tokens ``[R, hi - lo]``."""
+        return scores[:, self.lo:self.hi] / counts[:, self.lo:self.hi].clamp_min(1.0)
+
+    def evict_tokens(self, importance: torch.Tensor, region: torch.Tensor | None, steps: int,
+                     idx: int) -> tuple[torch.Tensor, int]:
+        """Lines 11-16, ``steps`` times, token by token, over the region's survivors ``region`` (None: all)."""
+        in_play = importance if region is None else importance.gather(1, region)
+        gone, idx = pair_rule(in_play, self.selected, steps, idx)
+        return remove(self.everything() if region is None else region, gone), idx
+
+    def evict_units(self, importance: torch.Tensor, unit: int, units: int, idx: int) -> tuple[torch.Tensor, int]:
+        """Lines 11-16, ``units`` times, on units of ``unit`` consecutive tokens scored by their mean importance
+        (the paper's block-level eviction, section 4.2): whole units go."""
+        capacity = self.selected // unit
+        first_unit = idx // unit
+        in_play = importance[:, : (capacity + units) * unit]  # settled units, then the arriving ones
+        unit_scores = in_play.view(self.rows, capacity + units, unit).mean(-1)
+        gone, first_unit = pair_rule(unit_scores, capacity, units, first_unit if first_unit < capacity else 0)
+        tokens = (gone[:, :, None] * unit + torch.arange(unit, device=self.device)).flatten(1)
+        return remove(self.everything(), tokens), first_unit * unit
+
+    def kept(self, region: torch.Tensor) -> torch.Tensor:
+        """The cache indices ``[R, k]`` to keep: the sinks, the region's survivors ``region``, the recent window."""
+        sinks = torch.arange(self.lo, device=self.device).expand(self.rows, self.lo)
+        recent = torch.arange(self.hi, self.length, device=self.device).expand(self.rows, self.length - self.hi)
+        return torch.cat((sinks, region + self.lo, recent), dim=1)
+
+
+@dataclass
+class QuestionGuard:
+    """Beyond the paper, for streamed reads with a question (``kvcli ask``, ``needle``): tokens the question
+    attends to sit out a block's sweep.
+
+    The pair rule compares neighbours, so of two adjacent tokens that both matter (the digits of a number) one
+    goes whenever the sweep meets them. When a block carries a probe (the question's queries), ``guard``
+    tree-region tokens per KV head around the probe's attention peaks are left out of that block's evictions
+    (see docs/methods.md); the pair rule sweeps the other tokens as if the guarded were not there.
+    """
+
+    guard: int
+    kernel: int
+
+    def evict_tokens(self, views: list[LayerView], tree: TreeRegion, importance: torch.Tensor, steps: int,
+                     idx: int) -> tuple[torch.Tensor, int] | None:
+        """:meth:`TreeRegion.evict_tokens` over all of the region but the guarded tokens, or None where nothing
+        is guarded (no probe, or ``guard`` 0): then the paper's sweep applies."""
+        guarded = self.guarded(views, tree)
+        if guarded is None:
+            return None
+        open_ = remove(tree.everything(), guarded)
+        capacity = tree.selected - guarded.shape[1]
+        gone, idx = pair_rule(importance.gather(1, open_), capacity, steps, idx % capacity)
+        return remove(tree.everything(), open_.gather(1, gone)), idx
+
+    def guarded(self, views: list[LayerView], tree: TreeRegion) -> torch.Tensor | None:
+        """Tree-region indices ``[R, g]`` (ascending) around the probe's attention peaks, or None.
+
+        The question's attention to the region (the most any query head of the KV head pays), max-pooled over
+        ``kernel`` neighbours so that a peak guards its span, picks the top ``guard`` tokens per KV head (at
+        most half the selected part, so the sweep still has room); ties go to the earlier token, as in
+        :func:`select_top`. How large it must be is measured in docs/reading.md.
+        """
+        record = views[0].record
+        count = min(self.guard, tree.selected // 2)
+        if record is None or record.probe is None or count < 1:
+            return None
+        # Max, not mean, over the query heads of a KV head: a needle one query head finds is not diluted
+        # by the heads that look elsewhere (as the SnapKV reference, which scores per query head).
+        probe = layer_rows([view.record.probe for view in views]).amax(dim=1)
+        probe = pool_scores(probe[:, tree.lo:tree.hi].float(), self.kernel, "max")
+        return select_top(probe, torch.zeros(tree.hi - tree.lo, dtype=torch.bool, device=probe.device), count)
 
 
 @register
@@ -189,15 +323,12 @@ class TreeKV(Method):
         index: every layer of a uniform budget in a stream): their KV heads are rows of one batch, so a
         block runs one accumulation and one pair sweep for the whole model, not one per layer. Each row is
         computed as :meth:`compress` computes it alone."""
-        groups: dict[tuple, list[int]] = {}
-        for i, (view, budget) in enumerate(zip(views, budgets, strict=True)):
+        for view in views:
             self._start(view)
-            groups.setdefault(self._batch_key(view, budget), []).append(i)
+        keys = [self._batch_key(view, budget) for view, budget in zip(views, budgets, strict=True)]
         kept: list[torch.Tensor | None] = [None] * len(views)
-        for members in groups.values():
-            chosen = self._compress_group([views[i] for i in members], budgets[members[0]])
-            for i, keep in zip(members, chosen, strict=True):
-                kept[i] = keep
+        for members in alike_groups(keys):
+            place(kept, members, self._compress_group([views[i] for i in members], budgets[members[0]]))
         return kept
 
     @staticmethod
@@ -215,54 +346,34 @@ class TreeKV(Method):
         return (budget, view.length, view.num_new, view.num_heads, state, seen, view.method_state.get(IDX, 0))
 
     def _compress_group(self, views: list[LayerView], budget: int) -> list[torch.Tensor | None]:
-        """:meth:`compress` for layers that stand alike (see :meth:`_batch_key`), their heads as rows."""
+        """:meth:`compress` for layers that stand alike (see :meth:`_batch_key`), their heads as rows: the block's
+        attention joins S and C, then the tokens over ``budget`` leave the tree region by Algorithm 1, in units
+        (:meth:`unit`) or token by token."""
         for view in views:
             self._start(view)
         first = views[0]
-        scores, counts = self._accumulate(views)  # [R, T]: the heads of every layer, layer by layer
-        length = first.length
-        if length <= budget:
+        scores, counts = accumulate(views)  # [R, T]: the heads of every layer, layer by layer
+        if first.length <= budget:
             return [None] * len(views)
         split = Split.of(budget, self.sinks, self.recent)
         if split.selected < 1:
             raise UsageError(f"treekv: cache {budget} leaves no room for selected tokens")
-        rows, device = scores.shape[0], first.layer.device
-        lo, hi = split.sinks, length - split.recent  # the tree region, holding selected + excess tokens
-        excess = length - budget
-        unit = self.tree_block or (AUTO_TREE_BLOCK if self.is_prefill(first) else 1)
-        if unit > split.selected:
-            unit = 1
-        units, rest = divmod(excess, unit) if unit > 1 else (0, excess)
+        tree = TreeRegion(split.sinks, first.length - split.recent, first.length, split.selected, scores.shape[0],
+                          first.layer.device)  # holding selected + excess tokens
+        unit = self.unit(first, split.selected)
+        units, rest = divmod(tree.excess, unit) if unit > 1 else (0, tree.excess)
         idx = first.method_state.get(IDX, 0) % split.selected
         if units == 0 and rest == 1:  # decoding: one comparison, cheaper than a sweep
-            gone = pair_victim(scores, counts, torch.arange(lo + idx, lo + idx + 1, device=device))
-            kept = torch.arange(length - 1, device=device).expand(rows, length - 1)
-            return self._per_layer(views, kept + (kept >= gone).long(), (idx + 1) % split.selected)
-        importance = scores[:, lo:hi] / counts[:, lo:hi].clamp_min(1.0)  # S / C (Algorithm 1, line 10)
-        region = None  # the region's surviving indices [R, k]; None: all of them, in order
-        if units:
-            capacity = split.selected // unit
-            first_unit = idx // unit
-            in_play = importance[:, : (capacity + units) * unit]  # settled units, then the arriving ones
-            unit_scores = in_play.view(rows, capacity + units, unit).mean(-1)
-            gone, first_unit = pair_rule(unit_scores, capacity, units, first_unit if first_unit < capacity else 0)
-            idx = first_unit * unit
-            tokens = (gone[:, :, None] * unit + torch.arange(unit, device=device)).flatten(1)
-            region = remove(torch.arange(hi - lo, device=device).expand(rows, hi - lo), tokens)
-        guarded = self._guarded(views, lo, hi, split.selected) if rest and not units else None
-        if guarded is not None:  # the pair rule sweeps the other tokens, as if the guarded were not there
-            open_ = remove(torch.arange(hi - lo, device=device).expand(rows, hi - lo), guarded)
-            capacity = split.selected - guarded.shape[1]
-            gone, idx = pair_rule(importance.gather(1, open_), capacity, rest, idx % capacity)
-            region = remove(torch.arange(hi - lo, device=device).expand(rows, hi - lo), open_.gather(1, gone))
-        elif rest:
-            in_play = importance if region is None else importance.gather(1, region)
-            gone, idx = pair_rule(in_play, split.selected, rest, idx)
-            region = remove(torch.arange(hi - lo, device=device).expand(rows, hi - lo) if region is None else region,
-                            gone)
-        kept = torch.cat((torch.arange(lo, device=device).expand(rows, lo), region + lo,
-                          torch.arange(hi, length, device=device).expand(rows, length - hi)), dim=1)
-        return self._per_layer(views, kept, idx)
+            return self._per_layer(views, tree.evict_one(scores, counts, idx), (idx + 1) % split.selected)
+        importance = tree.importance(scores, counts)
+        if units:  # whole units (section 4.2), then token by token what is left over
+            region, idx = tree.evict_units(importance, unit, units, idx)
+            if rest:
+                region, idx = tree.evict_tokens(importance, region, rest, idx)
+        else:  # token by token; beyond the paper, around what the question attends to
+            guarded = QuestionGuard(self.guard, self.kernel).evict_tokens(views, tree, importance, rest, idx)
+            region, idx = guarded if guarded is not None else tree.evict_tokens(importance, None, rest, idx)
+        return self._per_layer(views, tree.kept(region), idx)
 
     @staticmethod
     def _per_layer(views: list[LayerView], kept: torch.Tensor, idx: int) -> list[torch.Tensor]:
@@ -273,51 +384,12 @@ class TreeKV(Method):
             return [kept]
         return list(kept.view(len(views), views[0].num_heads, kept.shape[1]).unbind(0))
 
-    def _guarded(self, views: list[LayerView], lo: int, hi: int, selected: int) -> torch.Tensor | None:
-        """Tree-region indices ``[R, g]`` (ascending) around the probe's attention peaks, or None.
+    def unit(self, view: LayerView, selected: int) -> int:
+        """Tokens per eviction unit: ``tree_block``, or with 0 (auto) :data:`AUTO_TREE_BLOCK` for a prompt's
+        prefill and 1 otherwise; 1 where a unit would not fit in the ``selected`` part.
 
-        The question's attention to the region (the most any query head of the KV head pays), max-pooled over
-        ``kernel`` neighbours so that a peak
-        guards its span, picks the top ``guard`` tokens per KV head (at most half the selected part,
-        so the sweep still has room); ties go to the earlier token, as in :func:`select_top`. How
-        large it must be is measured in docs/reading.md.
-        """
-        record = views[0].record
-        count = min(self.guard, selected // 2)
-        if record is None or record.probe is None or count < 1:
-            return None
-        # Max, not mean, over the query heads of a KV head: a needle one query head finds is not diluted
-        # by the heads that look elsewhere (as the SnapKV reference, which scores per query head).
-        probe = layer_rows([view.record.probe for view in views]).amax(dim=1)
-        probe = pool_scores(probe[:, lo:hi].float(), self.kernel, "max")
-        return select_top(probe, torch.zeros(hi - lo, dtype=torch.bool, device=probe.device), count)
-
-    @staticmethod
-    def is_prefill(view: LayerView) -> bool:
-        """A call that fills an empty cache is a prompt's prefill, which the paper compresses in blocks
-        (section 4.2); a call that extends a cache continues a stream, which its language-modelling
-        experiments (section 5.2) evict token by token (the two compared in docs/methods.md)."""
-        return view.num_new == view.length and view.num_new > 1
-
-    def _accumulate(self, views: list[LayerView]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add the block's attention to S and the number of recorded queries that saw each token to C.
-
-        Returns both as rows ``[R, T]``, every layer's heads in turn; each layer keeps its own rows.
-        """
-        scores, counts = per_token_rows(views, SCORE), per_token_rows(views, COUNT)
-        first = views[0]
-        record, new, length = first.record, first.num_new, first.length
-        if record is None:
-            return scores, counts
-        probs = layer_rows([view.record.probs for view in views]).mean(dim=1)  # [R, T]: GQA group averaged
-        scores = scores + (probs if probs.shape[1] == length else probs[:, :length])
-        # The block's own window sees new token j only from block index j on; extra probe queries see all.
-        own = min(record.own_window, new)
-        counts = counts + float(record.window)
-        if own > 1:  # new token j missed the first max(0, own - (new - j)) of the block's window queries
-            missed = (own - torch.arange(new, 0, -1, device=counts.device)).clamp(min=0).float()
-            counts[:, length - new:] -= missed
-        set_per_token_rows(views, SCORE, scores)
-        set_per_token_rows(views, COUNT, counts)
-        return scores, counts
-
+        A call that fills an empty cache is a prompt's prefill, which the paper compresses in blocks (section
+        4.2); a call that extends a cache continues a stream, which its language-modelling experiments (section
+        5.2) evict token by token (the two compared in docs/methods.md)."""
+        unit = self.tree_block or (AUTO_TREE_BLOCK if view.num_new == view.length and view.num_new > 1 else 1)
+        return 1 if unit > selected else unit

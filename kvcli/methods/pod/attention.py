@@ -108,6 +108,22 @@ def proximal_and_distant(query_slots: torch.Tensor, length: int, sinks: int, rec
     return proximal, visible & ~proximal
 
 
+@dataclass(frozen=True)
+class OwnSlots:
+    """Where a layer's own keys count for a block of ``n`` queries among ``T`` slots: ``slots`` ``[S]`` (ascending)
+    its own keys are at, ``proximal`` ``[n, S]`` which of them each query sees as proximal, ``hidden`` ``[n, T]``
+    the slots after each query (masked)."""
+
+    slots: torch.Tensor
+    proximal: torch.Tensor
+    hidden: torch.Tensor
+
+    @property
+    def everything(self) -> bool:
+        """Whether the layer has its own key at every slot (distinct slots below T: exactly 0 .. T-1)."""
+        return self.slots.shape[0] == self.hidden.shape[1]
+
+
 def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: torch.Tensor,
                      own_slots: torch.Tensor | None, lead_keys: torch.Tensor, values: torch.Tensor,
                      query_slots: torch.Tensor | None, sinks: int, recent: int, scaling: float,
@@ -131,80 +147,103 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
     A cache layer passes ``held = (s, r)`` instead of ``own_slots`` and ``query_slots``: its own keys are
     those of the first ``s`` and the last ``r`` slots and its queries the block's last ``n`` slots
     (``first`` is ``T - n``), so the masks are made once per block for every layer (:func:`held_masks`).
-
-    ``rows`` (a cache layer whose KV heads lead in part) says which of the ``H`` heads of ``lead_query``,
-    ``lead_keys`` and ``values`` are not leads: ``query`` and ``own_keys`` then hold those heads only, and the
-    other rows, whose lead query and keys are their own, are plain attention (App. C.1) computed in the same
-    batched matmuls, never gated. None: every head shares.
+    ``rows``: which of the ``H`` heads share, where the layer leads the others (:func:`mixed_logits`).
 
     Returns the output ``[H, G, n, Dv]``, the attention of the last ``window`` queries summed over
     them ``[H, G, T]`` (float32, for scoring methods; None when ``window`` is 0) and the gate
     ``g`` ``[h, G, n]`` of the sharing heads (float32; only with a threshold ``tau`` or ``with_gate``, else None).
     """
-    heads, group, n, _ = lead_query.shape
-    length = values.shape[-2]
-    device = query.device
+    n, length = lead_query.shape[2], values.shape[-2]
     if held is not None:
         first = length - n
-        own_slots, own_proximal, hidden = held_masks(n, length, *held, sinks, recent, device)
+        own = held_masks(n, length, *held, sinks, recent, query.device)
     else:
         first = int(query_slots[0]) if first is None else first
-        own_proximal, hidden = _query_masks(query_slots, own_slots, length, sinks, recent)
+        own = OwnSlots(own_slots, *_query_masks(query_slots, own_slots, length, sinks, recent))
     if CHECKS:
-        needed = torch.cat((torch.arange(min(sinks, length), device=device),
-                            torch.arange(max(first - recent + 1, 0), length, device=device)))
-        if not bool(torch.isin(needed, own_slots).all()):
-            raise RuntimeError("PoD: a proximal key is missing from the layer's own keys (cache bookkeeping bug)")
-    # Every slot starts with the lead's score (a^D); proximal slots take the layer's own (a^P); the
-    # slots after each query are masked. One softmax over the row is Eq. 4's gated mix (App. C.1).
+        _check_own_keys(own.slots, first, length, sinks, recent)
     if scaling != 1.0:
         lead_query, query = lead_query * scaling, query * scaling
-    logits = torch.matmul(lead_query.reshape(heads, group * n, -1), lead_keys.transpose(-1, -2))
-    logits = logits.view(heads, group, n, length)
-    sharing = query.shape[0]
-    own = torch.matmul(query.reshape(sharing, group * n, -1), own_keys.transpose(-1, -2))
-    own = own.view(sharing, group, n, own_slots.shape[0])
-    everything = own_slots.shape[0] == length  # own keys at every slot (distinct slots below T): 0 .. T-1
-    shared = logits if rows is None else logits[rows]  # a view for a slice of heads, a copy for an index
-    if everything:
-        shared = torch.where(own_proximal, own, shared)
-    else:
-        shared[..., own_slots] = torch.where(own_proximal, own, shared[..., own_slots])
-    if rows is None:
-        logits = shared
-    elif everything or not isinstance(rows, slice):
-        logits[rows] = shared
+    logits = mixed_logits(query, lead_query, own_keys, lead_keys, own, rows)
     # Scores and the gate read float32 probabilities; the output alone needs none (softmax still sums in float32).
     exact = window > 0 or tau is not None or with_gate
-    probs = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1,
+    probs = torch.softmax(logits.masked_fill_(own.hidden, float("-inf")), dim=-1,
                           dtype=torch.float32 if exact else values.dtype)
     gate = None
     if tau is not None or with_gate:
-        sharing_probs = probs if rows is None else probs[rows]
-        proximal_probs = (sharing_probs if everything else sharing_probs[..., own_slots]) * own_proximal
-        gate = proximal_probs.sum(dim=-1)
-    if tau is not None:  # appendix B.4: where the gate reaches tau, the distant part is left out (o = o^P)
-        proximal_only = torch.zeros_like(sharing_probs)
-        proximal_only[..., own_slots] = proximal_probs / gate[..., None].clamp_min(torch.finfo(torch.float32).tiny)
-        gated = torch.where((gate >= tau)[..., None], proximal_only, sharing_probs)
-        if rows is None:
-            probs = gated
-        else:
-            probs[rows] = gated
+        probs, gate = _gated(probs, own, rows, tau)
+    heads, group = lead_query.shape[:2]
     output = torch.matmul((probs.to(values.dtype) if exact else probs).view(heads, group * n, length), values)
     tail = probs[:, :, n - min(window, n):, :].sum(dim=2) if window > 0 else None
     return output.view(heads, group, n, values.shape[-1]), tail, gate
 
 
+def mixed_logits(query: torch.Tensor, lead_query: torch.Tensor, own_keys: torch.Tensor, lead_keys: torch.Tensor,
+                 own: OwnSlots, rows: slice | torch.Tensor | None) -> torch.Tensor:
+    """Eq. 3's logits ``[H, G, n, T]`` (scaled queries): every slot starts with the lead's score (a^D), the
+    proximal slots take the layer's own (a^P); one softmax over a row is then Eq. 4's gated mix (App. C.1).
+
+    ``rows`` (a cache layer whose KV heads lead in part) says which of the ``H`` heads of ``lead_query`` and
+    ``lead_keys`` are not leads: ``query`` and ``own_keys`` then hold those heads only, and the other rows,
+    whose lead query and keys are their own, are plain attention (App. C.1) computed in the same batched
+    matmuls. None: every head shares.
+    """
+    heads, group, n, _ = lead_query.shape
+    length = lead_keys.shape[-2]
+    logits = torch.matmul(lead_query.reshape(heads, group * n, -1), lead_keys.transpose(-1, -2))
+    logits = logits.view(heads, group, n, length)
+    sharing = query.shape[0]
+    scores = torch.matmul(query.reshape(sharing, group * n, -1), own_keys.transpose(-1, -2))
+    scores = scores.view(sharing, group, n, own.slots.shape[0])
+    shared = logits if rows is None else logits[rows]  # a view for a slice of heads, a copy for an index
+    if own.everything:
+        shared = torch.where(own.proximal, scores, shared)
+    else:
+        shared[..., own.slots] = torch.where(own.proximal, scores, shared[..., own.slots])
+    if rows is None:
+        return shared
+    if own.everything or not isinstance(rows, slice):
+        logits[rows] = shared
+    return logits
+
+
+def _gated(probs: torch.Tensor, own: OwnSlots, rows: slice | torch.Tensor | None, tau: float | None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate ``g`` of Eq. 4 of the sharing heads (``rows``, None: all), the softmax mass of their proximal slots
+    (App. C.1), and ``probs`` where, with a threshold ``tau`` (appendix B.4), a query whose gate reaches it
+    leaves the distant part out (``o = o^P``). The lead rows are never gated."""
+    sharing_probs = probs if rows is None else probs[rows]
+    proximal_probs = (sharing_probs if own.everything else sharing_probs[..., own.slots]) * own.proximal
+    gate = proximal_probs.sum(dim=-1)
+    if tau is None:
+        return probs, gate
+    proximal_only = torch.zeros_like(sharing_probs)
+    proximal_only[..., own.slots] = proximal_probs / gate[..., None].clamp_min(torch.finfo(torch.float32).tiny)
+    gated = torch.where((gate >= tau)[..., None], proximal_only, sharing_probs)
+    if rows is None:
+        return gated, gate
+    probs[rows] = gated
+    return probs, gate
+
+
+def _check_own_keys(own_slots: torch.Tensor, first: int, length: int, sinks: int, recent: int) -> None:
+    """Self-check (:data:`CHECKS`): every slot proximal to a query from slot ``first`` on has the layer's own key."""
+    device = own_slots.device
+    needed = torch.cat((torch.arange(min(sinks, length), device=device),
+                        torch.arange(max(first - recent + 1, 0), length, device=device)))
+    if not bool(torch.isin(needed, own_slots).all()):
+        raise RuntimeError("PoD: a proximal key is missing from the layer's own keys (cache bookkeeping bug)")
+
+
 @lru_cache(maxsize=2)  # a stream's cache grows every block: only the block in progress needs its masks
 def held_masks(n: int, length: int, held_sinks: int, held_recent: int, sinks: int, recent: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               device: torch.device) -> OwnSlots:
     """For the block's last ``n`` slots of ``length`` as queries, against own keys at the first ``held_sinks``
-    and the last ``held_recent`` slots: those slots ``[S]``, which of them are proximal to each query
-    ``[n, S]``, and the slots after each query ``[n, length]`` (made once per block, read only)."""
+    and the last ``held_recent`` slots: those slots, which of them are proximal to each query and the slots
+    after each query (made once per block, read only)."""
     own_slots = edge_slots(held_sinks, held_recent, length, device)
     query_slots = torch.arange(length - n, length, device=device)
-    return own_slots, *_query_masks(query_slots, own_slots, length, sinks, recent)
+    return OwnSlots(own_slots, *_query_masks(query_slots, own_slots, length, sinks, recent))
 
 
 def _query_masks(query_slots: torch.Tensor, own_slots: torch.Tensor, length: int, sinks: int, recent: int

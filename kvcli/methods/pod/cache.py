@@ -10,7 +10,7 @@ Storage of one layer ``l`` (``T`` slots, the same tokens in every layer):
   (freed, not masked); its keys live on only in the lead layer of each head's block.
 
 Keys per KV head are ragged (a lead head holds T keys, the others ``s + m``), so they are held as
-two dense tensors split by head rather than one; :meth:`PodLayer.nbytes` counts what is held.
+two dense tensors split by head rather than one; :meth:`PodStore.nbytes` counts what is held.
 
 Positions work as for every kvcli layer: keys are stored as rotated at their entry position and
 rotated to the slot's current position when read. All layers hold the same slots, so the lead's
@@ -116,8 +116,10 @@ class PodCache(KVCache):
         return cls(len(arch.layers), [layer.inv_freq for layer in arch.layers], plan)
 
 
-class PodLayer(CompressedLayer):
-    """One layer's values (all heads), lead heads' keys (all tokens), other heads' proximal keys."""
+class PodStore(CompressedLayer):
+    """What one PoD layer holds: values (all heads), lead heads' keys (all tokens), other heads' proximal keys
+    (:attr:`near_keys`); how a block is appended, distant keys freed, a selection kept, the bytes counted.
+    Reading them (positions, rotation, attention) is :class:`PodLayer`'s."""
 
     owner: PodCache
 
@@ -129,7 +131,7 @@ class PodLayer(CompressedLayer):
         self.near_keys: torch.Tensor | None = None
         self.near_sinks = 0  # near_keys hold slots [0, near_sinks) and the last near_recent slots
         self.near_recent = 0
-        self._cached = 0  # slots held before the current forward's block arrived
+        self._cached = 0  # slots held before the current forward's block arrived (where its positions start)
 
     # --- transformers' CacheLayerMixin -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -174,6 +176,59 @@ class PodLayer(CompressedLayer):
     def near_slots(self) -> torch.Tensor:
         """The slots ``near_keys`` hold, ascending: ``[0, near_sinks)`` and the last ``near_recent``."""
         return edge_slots(self.near_sinks, self.near_recent, self.get_seq_length(), self.device)
+
+    def free_distant_keys(self) -> None:
+        """Cut the keys that no later query of this layer sees as proximal out of ``near_keys``."""
+        length = self.get_seq_length()
+        sinks, recent = self.owner.plan.near_slots(length)
+        if (sinks, recent) == (self.near_sinks, self.near_recent):
+            return
+        if not self.other_heads:  # every head leads: no proximal keys of its own to cut
+            self.near_sinks, self.near_recent = sinks, recent
+            return
+        # The held slots ascend and hold every wanted one, so the wanted first ``sinks`` slots are the first
+        # ``sinks`` held and the wanted last ``recent`` the last ``recent`` held: two slices, no search.
+        held = self.near_keys.shape[2]
+        if pod_attention.CHECKS:
+            stored, wanted = self.near_slots(), edge_slots(sinks, recent, length, self.device)
+            kept = torch.cat((stored[:sinks], stored[held - recent:]))
+            if not torch.equal(kept, wanted):
+                raise RuntimeError("PoD: a key still proximal was already freed (cache bookkeeping bug)")
+        self.near_keys = torch.cat((self.near_keys[:, :, :sinks], self.near_keys[:, :, held - recent:]), dim=2)
+        self.near_sinks, self.near_recent = sinks, recent
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending): PoD with a token selection.
+
+        Values and bookkeeping are gathered for every head, lead keys for the lead heads. The other
+        heads' proximal keys stay as they are: the selection must keep the first ``n_s`` and the last
+        ``n_r - 1`` slots (``pod`` protects them), which are again the first and last slots after it.
+        """
+        heads, count = indices.shape
+        length = self.get_seq_length()
+        if pod_attention.CHECKS and self.other_heads:
+            near = self.near_slots()
+            kept = indices[heads_at(self.other_heads, self.device)]
+            first, last = kept[:, :self.near_sinks], kept[:, count - self.near_recent:]
+            if (count < near.shape[0] or not bool((first == near[:self.near_sinks]).all())
+                    or not bool((last == near[self.near_sinks:]).all())):
+                raise RuntimeError("PoD: a selection dropped a proximal token of a non-lead layer")
+        self.values = gather_tokens(self.values, indices)
+        self.keys = gather_tokens(self.keys, indices[heads_at(self.lead_heads, self.device)])
+        self.entry_pos = self.entry_pos.gather(1, indices)
+        self.token_idx = self.token_idx.gather(1, indices)
+        self.state = {name: value.gather(1, indices) for name, value in self.state.items()}
+        self.moved = self.moved or count < length
+
+    def nbytes(self) -> int:
+        if self.values is None:
+            return 0
+        return sum(nbytes(t) for t in (self.keys, self.near_keys, self.values))
+
+
+class PodLayer(PodStore):
+    """One PoD layer as attention reads it: its keys rotated to the block's positions, its queries and keys shared
+    with the higher layers its heads lead, and Eq. 3-4 for the heads it does not lead."""
 
     def slot_positions(self) -> torch.Tensor:
         """Current position of every slot during a forward: consecutive, the new block's at ``block_start..``."""
@@ -236,51 +291,3 @@ class PodLayer(CompressedLayer):
         if layer == plan.num_layers - 1:  # the forward is over: its lead queries and keys go
             owner.lead_queries = owner.lead_keys = None
         return output, probs
-
-    def free_distant_keys(self) -> None:
-        """Cut the keys that no later query of this layer sees as proximal out of ``near_keys``."""
-        length = self.get_seq_length()
-        sinks, recent = self.owner.plan.near_slots(length)
-        if (sinks, recent) == (self.near_sinks, self.near_recent):
-            return
-        if not self.other_heads:  # every head leads: no proximal keys of its own to cut
-            self.near_sinks, self.near_recent = sinks, recent
-            return
-        # The held slots ascend and hold every wanted one, so the wanted first ``sinks`` slots are the first
-        # ``sinks`` held and the wanted last ``recent`` the last ``recent`` held: two slices, no search.
-        held = self.near_keys.shape[2]
-        if pod_attention.CHECKS:
-            stored, wanted = self.near_slots(), edge_slots(sinks, recent, length, self.device)
-            kept = torch.cat((stored[:sinks], stored[held - recent:]))
-            if not torch.equal(kept, wanted):
-                raise RuntimeError("PoD: a key still proximal was already freed (cache bookkeeping bug)")
-        self.near_keys = torch.cat((self.near_keys[:, :, :sinks], self.near_keys[:, :, held - recent:]), dim=2)
-        self.near_sinks, self.near_recent = sinks, recent
-
-    def keep(self, indices: torch.Tensor) -> None:
-        """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending): PoD with a token selection.
-
-        Values and bookkeeping are gathered for every head, lead keys for the lead heads. The other
-        heads' proximal keys stay as they are: the selection must keep the first ``n_s`` and the last
-        ``n_r - 1`` slots (``pod`` protects them), which are again the first and last slots after it.
-        """
-        heads, count = indices.shape
-        length = self.get_seq_length()
-        if pod_attention.CHECKS and self.other_heads:
-            near = self.near_slots()
-            kept = indices[heads_at(self.other_heads, self.device)]
-            first, last = kept[:, :self.near_sinks], kept[:, count - self.near_recent:]
-            if (count < near.shape[0] or not bool((first == near[:self.near_sinks]).all())
-                    or not bool((last == near[self.near_sinks:]).all())):
-                raise RuntimeError("PoD: a selection dropped a proximal token of a non-lead layer")
-        self.values = gather_tokens(self.values, indices)
-        self.keys = gather_tokens(self.keys, indices[heads_at(self.lead_heads, self.device)])
-        self.entry_pos = self.entry_pos.gather(1, indices)
-        self.token_idx = self.token_idx.gather(1, indices)
-        self.state = {name: value.gather(1, indices) for name, value in self.state.items()}
-        self.moved = self.moved or count < length
-
-    def nbytes(self) -> int:
-        if self.values is None:
-            return 0
-        return sum(nbytes(t) for t in (self.keys, self.near_keys, self.values))
