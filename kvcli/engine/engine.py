@@ -165,27 +165,27 @@ class Engine(BlockScorer):
         """
         n = ids.shape[1]
         compressing = compress and self.compresses() and not (decoding and self.method.keeps_answer)
-        seen = plan_observation(self.method, n, compressing, probe is not None, question, held)
-        cache.question_scores = seen.asks
-        cache.score_window = seen.window
+        observation = plan_observation(self.method, n, compressing, probe is not None, question, held)
+        cache.question_scores = observation.asks
+        cache.score_window = observation.window
         nested = compressing and last_only and probe is None and not decoding and self.nests_here()
         done: set[int] = set()
         try:
             if nested:  # each layer compressed before the next runs, which processes only the tokens it passes on
                 hidden = nested_forward(lambda: self._run(cache, ids, store=True), self.method, cache,
                                         self.decoder.layers, self.budgets, self.budget, n, self.device, done,
-                                        seen.question, seen.held)
+                                        observation.question, observation.held)
             else:
                 hidden = self._run(cache, ids, store=True)
             cache.stream_start += n  # before the probe, whose queries come after the block
-            if probe is not None and seen.asks:
+            if probe is not None and observation.asks:
                 cache.score_window = probe.shape[1]
                 self._run(cache, probe, store=False)
                 if observe is not None:
                     observe(cache)
             if compressing:  # every layer the budget governs, but those a nested forward compressed already
                 compress_cache(self.method, cache, self.architecture.budgeted, self.budgets, self.budget, n, decoding,
-                               done, seen.question, seen.held)
+                               done, observation.question, observation.held)
         finally:
             cache.question_scores = False
             cache.waiting.clear()
