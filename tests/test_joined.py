@@ -50,11 +50,11 @@ def test_joined_rotation_is_each_layers_own_bit_for_bit():
     alone = [layer.current_keys(start) for layer in cache.layers]
     cache.block_start = start
     cache.plan_rotation()
-    assert len({id(batch) for batch in cache._pending.values()}) == 1  # one batch for all four layers
+    assert len({id(batch) for batch in cache.rotation.pending.values()}) == 1  # one batch for all four layers
     together = [layer.current_keys(start) for layer in cache.layers]
     for one, other in zip(alone, together, strict=True):
         assert torch.equal(one, other)
-    assert not cache._pending and not cache._rotated  # each layer took its own, nothing is left behind
+    assert not cache.rotation.pending and not cache.rotation.rotated  # each layer took its own, nothing is left behind
 
 
 def test_layers_with_other_frequencies_rotate_apart():
@@ -111,7 +111,7 @@ def test_engine_streams_the_same_joined_or_layer_by_layer(tiny, name, monkeypatc
         engine = Engine(tiny, make_method(name), 48, 16)
         cache = engine.new_cache()
         totals = engine.score([ids], cache=cache)
-        assert not cache._pending and not cache._rotated
+        assert not cache.rotation.pending and not cache.rotation.rotated
         return totals.nll_sum, [layer.token_idx.tolist() for layer in cache.layers]
 
     together = run()

@@ -6,28 +6,32 @@ logits at t-1, carried across block boundaries), and after every block lets the 
 layer back to its budget. Positions are re-assigned inside the cache (see :mod:`kvcli.kv.cache`), so
 the stream can be far longer than the model's trained context while memory stays flat.
 
-The parts live in their own modules: the block loop and its totals in :mod:`kvcli.engine.streaming`, the
+The parts live in their own modules: the block loop, its totals and the NLL of a block's tokens in
+:mod:`kvcli.engine.streaming` (:class:`~kvcli.engine.streaming.BlockScorer`, the engine's scoring side), the
 compression step (every budgeted layer after a forward, and the nested forward) in
-:mod:`kvcli.engine.compression`, the positions a block gets in :mod:`kvcli.kv.positions`. Their public names
-are importable from here too.
+:mod:`kvcli.engine.compression`, what a forward observes for the method in :mod:`kvcli.engine.observation`,
+the cache a run starts from in :mod:`kvcli.engine.cache_factory`, the positions a block gets in
+:mod:`kvcli.kv.positions`. Their public names are importable from here too.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
 import torch
 
+from kvcli.engine.cache_factory import heads_apart, key_mode, new_cache
 from kvcli.engine.compression import compress_cache, layer_budgets, nested_forward
+from kvcli.engine.observation import plan_observation
 from kvcli.engine.streaming import (
+    BlockScorer,
     BlockStats,
     LogitsHook,
     StreamState,
     StreamTotals,
     blocks_of,
-    score_sliding,
-    score_stream,
+    to_device,
 )
 from kvcli.errors import UsageError
 from kvcli.kv.architecture import describe
@@ -63,43 +67,18 @@ def check_budget(method: Method, budget: int | None) -> int | None:
 DEFAULT_BLOCK = {"cpu": 256, "cuda": 1024}
 
 
-#: Rows of logits a CPU projects at a time in :meth:`Engine.token_nll`: small enough for its caches.
-NLL_ROWS_CPU = 64
-
-#: On a GPU the rows of one projection are bounded by their fp32 logits instead (2^26 values, 256 MiB): a
-#: few large matmuls keep the card busy, where 64-row ones each cost a launch and run far below its rate.
-NLL_VALUES_GPU = 1 << 26
-
-
-def nll_chunk(device: torch.device | str, vocab: int) -> int:
-    """Rows of hidden states :meth:`Engine.token_nll` projects to logits at once on ``device``."""
-    if torch.device(device).type == "cpu":
-        return NLL_ROWS_CPU
-    return max(NLL_ROWS_CPU, NLL_VALUES_GPU // vocab)
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``. A CPU tensor bound for a GPU is copied from pinned memory without blocking:
-    a copy from ordinary (pageable) memory makes the host wait for every kernel already queued, a
-    host-device sync at every block that leaves the GPU idle while the next block is launched."""
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def default_block(device: torch.device | str) -> int:
     """The block size kvcli uses on ``device`` unless told otherwise (``--block auto``)."""
     return DEFAULT_BLOCK.get(torch.device(device).type, DEFAULT_BLOCK["cpu"])
 
 
-def key_mode(method: Method, kv_bits: int, kv_keys: str | None) -> str | None:
-    """How ``method``'s cache rounds keys at ``kv_bits`` when asked for ``kv_keys``: None at 16 bits; always
-    per token for PoD, which reads its keys rotated from their entry positions (:meth:`PodCache.quantize`)."""
-    from kvcli.kv.quant import KVQuant
-
-    if kv_bits == 16:
-        return None
-    return "token" if method.name == "pod" else KVQuant(kv_bits, keys=kv_keys).key_mode
+def check_block(block: int | None, device: torch.device | str) -> int:
+    """The block an engine on ``device`` runs: ``block`` (at least 1 token), or :func:`default_block` for None."""
+    if block is None:
+        return default_block(device)
+    if block < 1:
+        raise UsageError(f"a block must hold at least 1 token, not {block}")
+    return block
 
 
 def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype: torch.dtype,
@@ -120,7 +99,7 @@ def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype:
     return method.equal_bytes_budget(plain, model.config)
 
 
-class Engine:
+class Engine(BlockScorer):
     """Runs a model over token blocks with a compressed cache.
 
     ``budget`` is the per-layer budget in tokens on average (methods such as PyramidKV spread it
@@ -132,20 +111,16 @@ class Engine:
         from kvcli.kv.quant import check_kv_bits, check_kv_keys
 
         self.device = next(model.parameters()).device
-        if block is None:
-            block = default_block(self.device)
-        if block < 1:
-            raise UsageError(f"a block must hold at least 1 token, not {block}")
         self.model = model
         self.method = method
-        self.block = block
+        self.block = check_block(block, self.device)
         self.kv_bits = check_kv_bits(kv_bits, "kv_bits")  # bits per cached key and value element (kvcli.kv.quant)
         self.kv_keys = check_kv_keys(kv_keys, "kv_keys")  # keys rounded per token or channel (None: by bits)
         self.budget = check_budget(method, budget)
         self.architecture = describe(model)  # refuses a model whose positions cannot be re-assigned
         self.num_layers = model.config.num_hidden_layers
         self.trained_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-        self.budgets = self._layer_budgets()
+        self.budgets = layer_budgets(method, self.architecture, self.budget, self.num_layers)
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
         self.positions = BlockPositions(self.architecture.rope_limit, self.trained_context, self.warn)
         self.decoder = model.get_decoder()
@@ -154,30 +129,16 @@ class Engine:
         self.lag_host_reads = self.device.type == "cuda"
         self.head = model.get_output_embeddings()
 
-    def _layer_budgets(self) -> list[int | None] | None:
-        return layer_budgets(self.method, self.architecture, self.budget, self.num_layers)
-
     @property
     def cache_key_mode(self) -> str | None:
         """How the cache rounds keys (``token`` or ``channel``); None at 16 bits."""
         return key_mode(self.method, self.kv_bits, self.kv_keys)
 
     def new_cache(self) -> KVCache:
-        cache = self.method.new_cache(self.model).quantize(self.kv_bits, self.kv_keys)
-        cache.heads_apart = self.heads_apart
-        return cache
-
-    @property
-    def heads_apart(self) -> bool:
-        """Whether streamed positions follow the tokens all KV heads of a layer hold (:attr:`KVCache.heads_apart`):
-        when the method's heads keep different tokens and the span that gives, at most every head's budget
-        side by side plus two blocks, stays within the trained context (else each head's tokens are compacted)."""
-        if not (self.budgets and self.method.selects_per_head()):
-            return False
-        config = self.model.config
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        span = heads * max(budget or 0 for budget in self.budgets) + 2 * self.block
-        return not self.trained_context or span <= self.trained_context
+        """A fresh cache for a run (:mod:`kvcli.engine.cache_factory`), its positions laid out by this engine's
+        budgets, block and trained context."""
+        apart = heads_apart(self.method, self.model.config, self.budgets, self.block, self.trained_context)
+        return new_cache(self.method, self.model, self.kv_bits, self.kv_keys, apart)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,
@@ -190,47 +151,41 @@ class Engine:
 
         ``probe`` holds query tokens (a question) that score the cache without entering it:
         query-aware compression. ``question`` says the block's own last ``question`` tokens are the
-        question (the end of a prompt read in one shot, or the last block of a streamed read).
-        Whenever a question is known, its queries alone are the observation window, all of them,
-        whatever the method's own window: the text's last queries do not vote (FINCH's rule for
-        streamed chunks; in a one-shot read SnapKV's window sized to the question). A method that
-        scores nothing (StreamingLLM) runs no probe. ``decoding`` marks a generated token (see
-        :class:`kvcli.kv.cache.LayerView`). ``held`` (at least ``question``) says the block's last ``held`` tokens
-        stay in every layer whatever they score, as the question does (:attr:`kvcli.kv.cache.LayerView.held`).
+        question, ``held`` that its last ``held`` tokens stay whatever they score: what the method observes
+        follows from them (:mod:`kvcli.engine.observation`). ``decoding`` marks a generated token (see
+        :class:`kvcli.kv.cache.LayerView`).
 
-        ``last_only`` says the caller needs the hidden state of the block's last token only (a read
-        for ``summarize``/``ask``/``needle``, never ``ppl``). A method that nests its selection
-        (:meth:`Method.nests`, PyramidInfer) then compresses each layer as soon as it has run, and the
-        next layer processes only the tokens the method passes on (:meth:`Method.compress_nested`,
-        :meth:`nests_here`): the returned hidden states are those of the tokens the top layer processed,
-        in stream order, the last row still the block's last token.
+        ``last_only`` says the caller needs the hidden state of the block's last token only (a read, never
+        ``ppl``): a method that nests its selection (:meth:`nests_here`, PyramidInfer) then runs a nested forward
+        (:func:`kvcli.engine.compression.nested_forward`), and the returned hidden states are those of the tokens
+        the top layer processed, in stream order, the last row still the block's last token.
 
         ``observe(cache)`` runs after a probe has scored the block and before the compression, while every
         layer's attention record is alive (the recap of a streamed ``ask``, :mod:`kvcli.reading.recap`).
         """
         n = ids.shape[1]
         compressing = compress and self.compresses() and not (decoding and self.method.keeps_answer)
-        scores = self.method.score_window(n) if compressing else 0
-        question = min(question, n) if scores and probe is None else 0  # with a probe, the probe is the question
-        held = max(min(held, n), question) if question else 0
-        asks = scores > 0 and (probe is not None or question > 0)
-        cache.question_scores = asks
-        cache.score_window = question if asks else scores
+        observation = plan_observation(self.method, n, compressing, probe is not None, question, held)
+        cache.question_scores = observation.asks
+        cache.score_window = observation.window
         nested = compressing and last_only and probe is None and not decoding and self.nests_here()
         done: set[int] = set()
         try:
-            if nested:
-                hidden = self._run_nested(cache, ids, done, question, held)
+            if nested:  # each layer compressed before the next runs, which processes only the tokens it passes on
+                hidden = nested_forward(lambda: self._run(cache, ids, store=True), self.method, cache,
+                                        self.decoder.layers, self.budgets, self.budget, n, self.device, done,
+                                        observation.question, observation.held)
             else:
                 hidden = self._run(cache, ids, store=True)
             cache.stream_start += n  # before the probe, whose queries come after the block
-            if probe is not None and asks:
+            if probe is not None and observation.asks:
                 cache.score_window = probe.shape[1]
                 self._run(cache, probe, store=False)
                 if observe is not None:
                     observe(cache)
-            if compressing:
-                self.compress(cache, n, decoding, skip=done, question=question, held=held)
+            if compressing:  # every layer the budget governs, but those a nested forward compressed already
+                compress_cache(self.method, cache, self.architecture.budgeted, self.budgets, self.budget, n, decoding,
+                               done, observation.question, observation.held)
         finally:
             cache.question_scores = False
             cache.waiting.clear()
@@ -254,14 +209,8 @@ class Engine:
         """
         return self.method.nests() and len(self.architecture.budgeted) == self.num_layers
 
-    def _run_nested(self, cache: KVCache, ids: torch.Tensor, done: set[int], question: int = 0,
-                    held: int = 0) -> torch.Tensor:
-        """One forward in which each layer is compressed before the next runs, which processes only the
-        tokens it passes on (:func:`kvcli.engine.compression.nested_forward`); ``done`` gets the layers compressed."""
-        return nested_forward(lambda: self._run(cache, ids, store=True), self.method, cache, self.decoder.layers,
-                              self.budgets, self.budget, ids.shape[1], self.device, done, question, held)
-
     def _run(self, cache: KVCache, ids: torch.Tensor, store: bool) -> torch.Tensor:
+        """The decoder over ``ids`` at their positions in ``cache``, storing them (``store``) or only probing."""
         positions = self.positions.place(cache, ids.shape[1], self.device)
         cache.probing = not store
         cache.plan_rotation()
@@ -273,67 +222,6 @@ class Engine:
             cache.probing = False
             cache.clear_rotation()
         return out.last_hidden_state
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden)
-
-    @torch.inference_mode()
-    def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int | None = None,
-                  on_logits: LogitsHook | None = None) -> torch.Tensor:
-        """NLL (nats, float32) of ``targets[i]`` given ``hidden[i]``, projecting a few rows at a time.
-
-        Chunks keep the logits small enough for the CPU's caches and never build the block's full
-        log-softmax output, which ``cross_entropy`` over the whole block would; ``chunk`` None is
-        :func:`nll_chunk`'s rows for the device. ``on_logits`` sees
-        each chunk's log-probabilities ``[rows, V]`` (float32) and targets, in stream order
-        (``kvcli ppl --save-logits/--kl-base``).
-        """
-        out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
-        targets = to_device(targets, hidden.device)
-        chunk = chunk or nll_chunk(hidden.device, self.head.out_features)
-        for i in range(0, targets.shape[0], chunk):
-            logits = self.head(hidden[i:i + chunk]).float()
-            picked = logits.gather(1, targets[i:i + chunk, None])[:, 0]
-            total = torch.logsumexp(logits, dim=-1)
-            out[i:i + chunk] = total - picked
-            if on_logits is not None:
-                on_logits(logits - total[:, None], targets[i:i + chunk])
-        return out
-
-    def compress(self, cache: KVCache, num_new: int, decoding: bool = False, skip: set[int] = frozenset(),
-                 question: int = 0, held: int = 0) -> None:
-        """Let the method shrink every layer the budget governs (:func:`kvcli.engine.compression.compress_cache`)."""
-        compress_cache(self.method, cache, self.architecture.budgeted, self.budgets, self.budget, num_new, decoding,
-                       skip, question, held)
-
-    def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, max_tokens: int | None = None,
-              cache: KVCache | None = None, score_from: int = 0,
-              on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
-              state: StreamState | None = None,
-              on_state: Callable[[StreamState], None] | None = None,
-              on_logits: LogitsHook | None = None) -> StreamTotals:
-        """Stream tokens through the model and sum the NLL of every token after the first (the block
-        loop is :func:`kvcli.engine.streaming.score_stream`).
-
-        ``score_from`` skips scoring the first tokens (they are still read into the cache), for the
-        sliding-window protocol. Ctrl-C ends the stream early with what was measured so far: the totals
-        of the blocks scored whole, nothing of the block it cut.
-        ``state`` continues a stream from a checkpoint (``token_chunks`` then hold the tokens after
-        ``state.position``); ``on_state`` sees the state after every block, for checkpoints.
-        ``on_logits`` sees the scored tokens' log-probabilities (KL against a reference). Each block's
-        NLL reaches the host once; on a GPU one block late (:attr:`lag_host_reads`).
-        """
-        return score_stream(self, token_chunks, max_tokens=max_tokens, cache=cache, score_from=score_from,
-                            on_block=on_block, state=state, on_state=on_state, on_logits=on_logits)
-
-    def score_sliding(self, token_chunks: Iterable[list[int] | torch.Tensor], context: int, stride: int, *,
-                      lead: Sequence[int] = (), on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
-                      on_logits: LogitsHook | None = None) -> StreamTotals:
-        """The papers' sliding-window protocol: windows of ``context`` tokens every ``stride``, each from an
-        empty cache, ``lead`` read in front of every window after the first
-        (:func:`kvcli.engine.streaming.score_sliding`)."""
-        return score_sliding(self, token_chunks, context, stride, lead=lead, on_block=on_block, on_logits=on_logits)
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -2,9 +2,9 @@
 
 :func:`score_stream` feeds blocks of ``engine.block`` tokens to ``engine.forward`` and sums the NLL
 of every token after the first (the hidden state at t - 1 scores token t, carried across blocks);
-:func:`score_sliding` is the papers' sliding-window protocol on top of it. They need of the engine
-only what :class:`BlockScorer` names, so this module does not import :mod:`kvcli.engine.engine` (which
-re-exports everything here, its historical home).
+:func:`score_sliding` is the papers' sliding-window protocol on top of it. :class:`BlockScorer` holds the
+scoring side of an engine (the head's NLLs, these loops as methods) apart from how it runs a block, so this
+module does not import :mod:`kvcli.engine.engine` (which re-exports everything here, its historical home).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -83,22 +82,92 @@ class StreamState:
     position: int = 0
 
 
-class BlockScorer(Protocol):
-    """What the block loop needs of an engine (:class:`kvcli.engine.engine.Engine`)."""
+#: Rows of logits a CPU projects at a time in :meth:`BlockScorer.token_nll`: small enough for its caches.
+NLL_ROWS_CPU = 64
+
+#: On a GPU the rows of one projection are bounded by their fp32 logits instead (2^26 values, 256 MiB): a
+#: few large matmuls keep the card busy, where 64-row ones each cost a launch and run far below its rate.
+NLL_VALUES_GPU = 1 << 26
+
+
+def nll_chunk(device: torch.device | str, vocab: int) -> int:
+    """Rows of hidden states :meth:`BlockScorer.token_nll` projects to logits at once on ``device``."""
+    if torch.device(device).type == "cpu":
+        return NLL_ROWS_CPU
+    return max(NLL_ROWS_CPU, NLL_VALUES_GPU // vocab)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``. A CPU tensor bound for a GPU is copied from pinned memory without blocking:
+    a copy from ordinary (pageable) memory makes the host wait for every kernel already queued, a
+    host-device sync at every block that leaves the GPU idle while the next block is launched."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class BlockScorer:
+    """What scores a stream block by block: the model's head over the hidden states a block run returns, and
+    the block loops of this module (:meth:`score`, :meth:`score_sliding`).
+
+    A subclass runs the blocks (:class:`kvcli.engine.engine.Engine`, against a compressed cache): it gives
+    ``block`` (tokens per forward), ``lag_host_reads`` (each block's NLL read to the host one block late),
+    ``head`` (the model's output embeddings), :meth:`new_cache` and :meth:`forward`.
+    """
 
     block: int
     lag_host_reads: bool
+    head: torch.nn.Module
 
-    def new_cache(self) -> KVCache: ...
+    def new_cache(self) -> KVCache:
+        raise NotImplementedError
 
-    def forward(self, cache: KVCache, ids: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
+        """Run ``ids`` ``[1, n]`` against ``cache`` and return the last hidden states ``[n, d]``."""
+        raise NotImplementedError
 
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+    @torch.inference_mode()
     def token_nll(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int | None = None,
-                  on_logits: LogitsHook | None = None) -> torch.Tensor: ...
+                  on_logits: LogitsHook | None = None) -> torch.Tensor:
+        """NLL (nats, float32) of ``targets[i]`` given ``hidden[i]``, projecting a few rows at a time.
 
-    def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, score_from: int = 0,
+        Chunks keep the logits small enough for the CPU's caches and never build the block's full
+        log-softmax output, which ``cross_entropy`` over the whole block would; ``chunk`` None is
+        :func:`nll_chunk`'s rows for the device. ``on_logits`` sees
+        each chunk's log-probabilities ``[rows, V]`` (float32) and targets, in stream order
+        (``kvcli ppl --save-logits/--kl-base``).
+        """
+        out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
+        targets = to_device(targets, hidden.device)
+        chunk = chunk or nll_chunk(hidden.device, self.head.out_features)
+        for i in range(0, targets.shape[0], chunk):
+            logits = self.head(hidden[i:i + chunk]).float()
+            picked = logits.gather(1, targets[i:i + chunk, None])[:, 0]
+            total = torch.logsumexp(logits, dim=-1)
+            out[i:i + chunk] = total - picked
+            if on_logits is not None:
+                on_logits(logits - total[:, None], targets[i:i + chunk])
+        return out
+
+    def score(self, token_chunks: Iterable[list[int] | torch.Tensor], *, max_tokens: int | None = None,
+              cache: KVCache | None = None, score_from: int = 0,
               on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
-              on_logits: LogitsHook | None = None) -> StreamTotals: ...
+              state: StreamState | None = None, on_state: Callable[[StreamState], None] | None = None,
+              on_logits: LogitsHook | None = None) -> StreamTotals:
+        """Stream tokens through the model and sum the NLL of every token after the first: the block loop of
+        :func:`score_stream`, which says what each argument does."""
+        return score_stream(self, token_chunks, max_tokens=max_tokens, cache=cache, score_from=score_from,
+                            on_block=on_block, state=state, on_state=on_state, on_logits=on_logits)
+
+    def score_sliding(self, token_chunks: Iterable[list[int] | torch.Tensor], context: int, stride: int, *,
+                      lead: Sequence[int] = (), on_block: Callable[[BlockStats, StreamTotals], None] | None = None,
+                      on_logits: LogitsHook | None = None) -> StreamTotals:
+        """The papers' sliding-window protocol (:func:`score_sliding`)."""
+        return score_sliding(self, token_chunks, context, stride, lead=lead, on_block=on_block, on_logits=on_logits)
 
 
 class _Ledger:
@@ -151,7 +220,17 @@ def score_stream(engine: BlockScorer, token_chunks: Iterable[list[int] | torch.T
                  state: StreamState | None = None,
                  on_state: Callable[[StreamState], None] | None = None,
                  on_logits: LogitsHook | None = None) -> StreamTotals:
-    """Stream tokens through ``engine`` and sum the NLL of every token after the first (:meth:`Engine.score`)."""
+    """Stream tokens through ``engine`` and sum the NLL of every token after the first (:meth:`Engine.score`).
+
+    ``max_tokens`` bounds the tokens scored; ``cache`` is the one to stream into (a fresh one by default).
+    ``score_from`` skips scoring the first tokens (they are still read into the cache), for the
+    sliding-window protocol. Ctrl-C ends the stream early with what was measured so far: the totals
+    of the blocks scored whole, nothing of the block it cut.
+    ``state`` continues a stream from a checkpoint (``token_chunks`` then hold the tokens after
+    ``state.position``); ``on_state`` sees the state after every block, for checkpoints.
+    ``on_logits`` sees the scored tokens' log-probabilities (KL against a reference). Each block's
+    NLL reaches the host once; on a GPU one block late (``engine.lag_host_reads``).
+    """
     cache = state.cache if state else (cache or engine.new_cache())
     totals = state.totals if state else StreamTotals()
     previous: torch.Tensor | None = state.previous if state else None  # last hidden state of the previous block

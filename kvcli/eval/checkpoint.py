@@ -228,51 +228,13 @@ class TokenDigest:
         return True
 
 
-def _cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu").clone()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_cpu(v) for v in value)
-    if isinstance(value, torch.device):
-        return str(value)
-    return value
-
-
-#: What a checkpoint may hold: what ``torch.load(weights_only=True)`` gives back (kvcli.io.statefile).
-_DATA = (torch.Tensor, torch.dtype, torch.device, str, int, float, bool, type(None))
-
-
-def _check_data(value, where: str) -> None:
-    """Raise unless ``value`` is data the safe loader restores: a state holding an object (packed keys of a
-    quantized cache, a layer added by a new method) is refused when saved, not written to be refused on resume."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_data(item, f"{where}.{key}")
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            _check_data(item, f"{where}[{index}]")
-    elif not isinstance(value, _DATA):
-        raise KvcliError(f"cannot checkpoint {where}: a {type(value).__name__} is not data a checkpoint restores "
-                         "(tensors, dtypes, numbers, strings)")
-
-
-def _to(value, device: torch.device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
 class Checkpointer:
     """Saves a stream's state into ``folder`` every ``every_tokens`` tokens or ``every_seconds`` seconds.
 
     :meth:`begin` starts (or, with ``resume``, continues) the stream; the engine then calls
-    :meth:`on_state` after every block, and :meth:`finish` saves the state at the end.
+    :meth:`on_state` after every block, and :meth:`finish` saves the state at the end. This class is the
+    policy (when to save, what a resume must match); what the file holds is the codec's (:func:`encode`,
+    :func:`decode`).
     """
 
     def __init__(self, folder: Path, ident: dict, every_tokens: int | None, every_seconds: float | None,
@@ -346,19 +308,9 @@ class Checkpointer:
             self.save(self.last)
 
     def save(self, state: StreamState) -> None:
-        cache = state.cache
-        totals = dataclasses.asdict(state.totals)
-        payload = {
-            "format": FORMAT, "identity": self.ident, "position": state.position,
-            "content": self.digest.digest(state.position) if self.digest is not None else None,
-            "previous": _cpu(state.previous), "totals": totals,
-            "cache": {"block_start": cache.block_start, "stream_start": cache.stream_start,
-                      "keep_positions": cache.keep_positions,
-                      "layers": [{k: _cpu(v) for k, v in vars(layer).items() if k not in _SKIP}
-                                 for layer in cache.layers]},
-        }
-        _check_data(payload, "checkpoint")
-        save_state(self.path, payload)
+        """Replace the checkpoint with ``state`` (:func:`encode`), sealed and renamed at once."""
+        content = self.digest.digest(state.position) if self.digest is not None else None
+        save_state(self.path, encode(state, self.ident, content))
         self.saved_at = (state.position, time.perf_counter())
 
     def load(self, engine: Engine) -> tuple[StreamState, str]:
@@ -379,52 +331,125 @@ class Checkpointer:
                 raise KvcliError(f"--checkpoint {self.folder}: {difference(key, saved.get(key), value)}; resume with "
                                  "the same model, libraries, method, budget, block and dtype, or use another folder")
         try:
-            state, content = self._restore(payload, engine)
+            state, content = decode(payload, engine)
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
             what = f"{exc.args[0]!r} is missing" if isinstance(exc, KeyError) else f"{type(exc).__name__}"
             raise KvcliError(f"--checkpoint {self.folder}: {FILE} is damaged ({what}): {advice}") from None
         return state, content
 
-    def _restore(self, payload: dict, engine: Engine) -> tuple[StreamState, str]:
-        """The engine state a payload describes; any key missing, of the wrong type or of the wrong shape raises."""
-        device = engine.device
-        position, content = payload["position"], payload["content"]
-        if not isinstance(position, int) or position < 1 or not isinstance(content, str):
-            raise ValueError("position or content")
-        cache = engine.new_cache()
-        saved_cache = payload["cache"]
-        cache.block_start = int(saved_cache["block_start"])
-        cache.stream_start = int(saved_cache["stream_start"])
-        cache.keep_positions = bool(saved_cache["keep_positions"])
-        for layer, attributes in zip(cache.layers, saved_cache["layers"], strict=True):
-            # Exactly the data attributes a layer has (and gets on its first block) are restored: every one of
-            # them, and never a name that is not one (a method).
-            required = set(vars(layer)) - set(_SKIP)
-            missing = required - set(attributes)
-            if missing:
-                raise KeyError("layer." + ",".join(sorted(missing)))
-            for key, value in attributes.items():
-                if key not in required | {"dtype", "device"}:
-                    raise ValueError(key)
-                setattr(layer, key, _to(value, device))
-            layer.device = device
-            _check_layer(layer)
-        totals_dict = dict(payload["totals"])
-        if set(totals_dict) != {field.name for field in dataclasses.fields(StreamTotals)}:
-            raise KeyError("totals." + ",".join(sorted({f.name for f in dataclasses.fields(StreamTotals)}
-                                                       ^ set(totals_dict))))
-        blocks = [BlockStats(**block) for block in totals_dict.pop("blocks")]
-        totals = StreamTotals(**totals_dict, blocks=blocks)
-        # A stream scores every token but its first exactly once, block by block: totals that say otherwise
-        # were not written by this module.
-        if (totals.tokens != position - 1 or totals.processed != position
-                or sum(block.tokens for block in blocks) != totals.tokens
-                or not all(isinstance(getattr(totals, name), int | float) for name in totals_dict)):
-            raise ValueError("totals")
-        previous = payload["previous"]
-        if not isinstance(previous, torch.Tensor) or previous.dim() != 2:
-            raise TypeError("previous")
-        return StreamState(cache, totals, previous.to(device), position), content
+
+# --- the codec: a stream's state as a checkpoint's data, and back -------------------------------------------------
+
+
+def _cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").clone()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cpu(v) for v in value)
+    if isinstance(value, torch.device):
+        return str(value)
+    return value
+
+
+#: What a checkpoint may hold: what ``torch.load(weights_only=True)`` gives back (kvcli.io.statefile).
+_DATA = (torch.Tensor, torch.dtype, torch.device, str, int, float, bool, type(None))
+
+
+def _check_data(value, where: str) -> None:
+    """Raise unless ``value`` is data the safe loader restores: a state holding an object (packed keys of a
+    quantized cache, a layer added by a new method) is refused when saved, not written to be refused on resume."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_data(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_data(item, f"{where}[{index}]")
+    elif not isinstance(value, _DATA):
+        raise KvcliError(f"cannot checkpoint {where}: a {type(value).__name__} is not data a checkpoint restores "
+                         "(tensors, dtypes, numbers, strings)")
+
+
+def _to(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def encode(state: StreamState, ident: dict, content: str | None) -> dict:
+    """The checkpoint of ``state``, made with ``ident`` (:func:`identity`) from the tokens whose hash is ``content``:
+    data only, on the CPU; a state holding anything else is refused here (:func:`_check_data`)."""
+    cache = state.cache
+    totals = dataclasses.asdict(state.totals)
+    payload = {
+        "format": FORMAT, "identity": ident, "position": state.position, "content": content,
+        "previous": _cpu(state.previous), "totals": totals,
+        "cache": {"block_start": cache.block_start, "stream_start": cache.stream_start,
+                  "keep_positions": cache.keep_positions,
+                  "layers": [{k: _cpu(v) for k, v in vars(layer).items() if k not in _SKIP}
+                             for layer in cache.layers]},
+    }
+    _check_data(payload, "checkpoint")
+    return payload
+
+
+def decode(payload: dict, engine: Engine) -> tuple[StreamState, str]:
+    """The stream state a checkpoint holds, on ``engine``'s device, and the hash of the tokens it read.
+
+    Any key missing, of the wrong type or of the wrong shape raises (KeyError, TypeError, ValueError and the
+    like): the caller words that as a damaged checkpoint."""
+    position, content = payload["position"], payload["content"]
+    if not isinstance(position, int) or position < 1 or not isinstance(content, str):
+        raise ValueError("position or content")
+    cache = _decode_cache(payload["cache"], engine)
+    totals = _decode_totals(dict(payload["totals"]), position)
+    previous = payload["previous"]
+    if not isinstance(previous, torch.Tensor) or previous.dim() != 2:
+        raise TypeError("previous")
+    return StreamState(cache, totals, previous.to(engine.device), position), content
+
+
+def _decode_cache(saved: dict, engine: Engine):
+    """A fresh cache of ``engine`` holding the saved counters and layers."""
+    device = engine.device
+    cache = engine.new_cache()
+    cache.block_start = int(saved["block_start"])
+    cache.stream_start = int(saved["stream_start"])
+    cache.keep_positions = bool(saved["keep_positions"])
+    for layer, attributes in zip(cache.layers, saved["layers"], strict=True):
+        # Exactly the data attributes a layer has (and gets on its first block) are restored: every one of
+        # them, and never a name that is not one (a method).
+        required = set(vars(layer)) - set(_SKIP)
+        missing = required - set(attributes)
+        if missing:
+            raise KeyError("layer." + ",".join(sorted(missing)))
+        for key, value in attributes.items():
+            if key not in required | {"dtype", "device"}:
+                raise ValueError(key)
+            setattr(layer, key, _to(value, device))
+        layer.device = device
+        _check_layer(layer)
+    return cache
+
+
+def _decode_totals(saved: dict, position: int) -> StreamTotals:
+    """The saved totals of a stream that has read ``position`` tokens."""
+    if set(saved) != {field.name for field in dataclasses.fields(StreamTotals)}:
+        raise KeyError("totals." + ",".join(sorted({f.name for f in dataclasses.fields(StreamTotals)} ^ set(saved))))
+    blocks = [BlockStats(**block) for block in saved.pop("blocks")]
+    totals = StreamTotals(**saved, blocks=blocks)
+    # A stream scores every token but its first exactly once, block by block: totals that say otherwise
+    # were not written by this module.
+    if (totals.tokens != position - 1 or totals.processed != position
+            or sum(block.tokens for block in blocks) != totals.tokens
+            or not all(isinstance(getattr(totals, name), int | float) for name in saved)):
+        raise ValueError("totals")
+    return totals
 
 
 def _check_layer(layer) -> None:

@@ -17,7 +17,7 @@ import torch
 from kvcli.engine.engine import BlockStats, Engine, LogitsHook, StreamTotals, kv_bytes_per_token
 from kvcli.errors import EmptyDocumentError, UsageError
 from kvcli.eval.checkpoint import Checkpointer
-from kvcli.io.corpus import content_of, run_corpus
+from kvcli.io.corpus import CorpusResult, content_of, run_corpus
 from kvcli.io.documents import Document
 from kvcli.io.outputs import SideFailures
 from kvcli.io.ranks import Ranks
@@ -99,55 +99,88 @@ def evaluate(
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
         torch.cuda.synchronize(loaded.device)
-    tokenizer = loaded.tokenizer
     ranks = ranks or Ranks()
-
-    def run(chunks: Iterable[TokenChunk], limit: int | None) -> StreamTotals:
-        sliding = context is not None
-        feed = TokenFeed(chunks, tokenizer, limit, lookback=engine.block + (context or 0))
-        if sliding:
-            totals = engine.score_sliding(feed, context, stride or context, lead=leading_special_tokens(tokenizer),
-                                          on_block=on_block, on_logits=on_logits)
-        elif checkpoint is not None:
-            state, tokens = checkpoint.begin(engine, feed, limit)
-            totals = engine.score(tokens, on_block=on_block, state=state, on_state=checkpoint.on_state)
-            if not totals.interrupted:
-                checkpoint.finish()
-        else:
-            totals = engine.score(feed, on_block=on_block, on_logits=on_logits)
-        # Bits per byte over the text scored, not the text read ahead: the tokens up to the last one
-        # scored (the sliding protocol scores every token after the first once), or run through the model.
-        covered = (totals.tokens + 1 if totals.tokens else 0) if sliding else totals.processed
-        totals.num_bytes = feed.bytes_at(covered)
-        return totals
-
+    scoring = _StreamScoring(engine, loaded.tokenizer, context, stride, on_block, on_logits, checkpoint)
     if checkpoint is not None and not stream:
         if len(documents) != 1:
             raise UsageError("--checkpoint saves one stream: add --stream for a folder (or --rows for one row "
                              "per document)")
         stream = True  # one document streamed is the same run as the documents protocol over it
     if stream:
-        overall = run(token_stream(documents, tokenizer), None if max_tokens is None else max_tokens + 1)
+        overall = scoring(token_stream(documents, loaded.tokenizer), None if max_tokens is None else max_tokens + 1)
         return overall, [], peak_memory_bytes(loaded.device), None
+    each = _EachDocument(scoring, len(documents) > 1, max_tokens, on_document)
+    job = run_corpus(documents, each, rows_path=rows_path, resume=resume, ranks=ranks, failures=failures,
+                     identity=rows_identity, warn=engine.warn)
+    peaks = ranks.gather(peak_memory_bytes(loaded.device))
+    overall, rows, throughput = _job_result(job, ranks)
+    return overall, rows, max(peaks) if peaks else 0, throughput
 
-    scored = 0
 
-    def process(index: int, doc: Document) -> tuple[dict, bool] | None:
-        nonlocal scored
-        remaining = None if max_tokens is None else max_tokens - scored
+@dataclass
+class _StreamScoring:
+    """How :func:`evaluate` scores one stream of tokens: the sliding-window protocol when ``context`` is set;
+    else the stream from a fresh cache, saved as it goes by ``checkpoint`` (continued from it on resume)."""
+
+    engine: Engine
+    tokenizer: object
+    context: int | None = None
+    stride: int | None = None
+    on_block: Callable[[BlockStats, StreamTotals], None] | None = None
+    on_logits: LogitsHook | None = None
+    checkpoint: Checkpointer | None = None
+
+    def __call__(self, chunks: Iterable[TokenChunk], limit: int | None) -> StreamTotals:
+        """The totals of the stream ``chunks``, of which at most ``limit`` tokens are read."""
+        engine, context, checkpoint = self.engine, self.context, self.checkpoint
+        sliding = context is not None
+        feed = TokenFeed(chunks, self.tokenizer, limit, lookback=engine.block + (context or 0))
+        if sliding:
+            totals = engine.score_sliding(feed, context, self.stride or context,
+                                          lead=leading_special_tokens(self.tokenizer), on_block=self.on_block,
+                                          on_logits=self.on_logits)
+        elif checkpoint is not None:
+            state, tokens = checkpoint.begin(engine, feed, limit)
+            totals = engine.score(tokens, on_block=self.on_block, state=state, on_state=checkpoint.on_state)
+            if not totals.interrupted:
+                checkpoint.finish()
+        else:
+            totals = engine.score(feed, on_block=self.on_block, on_logits=self.on_logits)
+        # Bits per byte over the text scored, not the text read ahead: the tokens up to the last one
+        # scored (the sliding protocol scores every token after the first once), or run through the model.
+        covered = (totals.tokens + 1 if totals.tokens else 0) if sliding else totals.processed
+        totals.num_bytes = feed.bytes_at(covered)
+        return totals
+
+
+@dataclass
+class _EachDocument:
+    """What the corpus job of :func:`evaluate` does with a document (:data:`kvcli.io.corpus.Process`): score it as
+    its own stream, until ``max_tokens`` tokens are scored over all of them. Among ``several`` documents, one
+    with fewer than 2 tokens is an :class:`EmptyDocumentError` (the job skips it); alone, its row scores none."""
+
+    scoring: _StreamScoring
+    several: bool
+    max_tokens: int | None = None
+    on_document: Callable[[int, Document], None] | None = None
+    scored: int = 0  # tokens scored so far by this process
+
+    def __call__(self, index: int, doc: Document) -> tuple[dict, bool] | None:
+        remaining = None if self.max_tokens is None else self.max_tokens - self.scored
         if remaining is not None and remaining <= 0:
             return None
-        if on_document is not None:
-            on_document(index, doc)
-        totals = run(iter_tokens(doc, tokenizer), None if remaining is None else remaining + 1)
-        scored += totals.tokens
-        if not totals.tokens and not totals.interrupted and len(documents) > 1:
+        if self.on_document is not None:
+            self.on_document(index, doc)
+        totals = self.scoring(iter_tokens(doc, self.scoring.tokenizer), None if remaining is None else remaining + 1)
+        self.scored += totals.tokens
+        if not totals.tokens and not totals.interrupted and self.several:
             raise EmptyDocumentError(doc.name, "has fewer than 2 tokens (nothing to score)")
         return {**document_row(totals), **content_of(doc)}, not totals.interrupted
 
-    job = run_corpus(documents, process, rows_path=rows_path, resume=resume, ranks=ranks, failures=failures,
-                     identity=rows_identity, warn=engine.warn)
-    peaks = ranks.gather(peak_memory_bytes(loaded.device))
+
+def _job_result(job: CorpusResult, ranks: Ranks) -> tuple[StreamTotals, list[dict], dict]:
+    """A corpus job's totals (its rows summed in document order, as one process sums them), its rows to report
+    (one per document, when there are several) and its throughput over the documents it scored itself."""
     overall = StreamTotals()
     for row in job.rows:
         if "skipped" not in row:
@@ -160,7 +193,7 @@ def evaluate(
                   "tokens": processed, "seconds": job.seconds,
                   "documents_per_second": len(fresh) / job.seconds if job.seconds > 0 else 0.0,
                   "tokens_per_second": processed / job.seconds if job.seconds > 0 else 0.0}
-    return overall, rows, max(peaks) if peaks else 0, throughput
+    return overall, rows, throughput
 
 
 def document_row(totals: StreamTotals) -> dict:

@@ -151,34 +151,31 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
     identity = as_json(identity or {})
     warn = warn or _warn
     started = time.perf_counter()
-    log: RowLog | None = None
-    done: dict[str, dict] = {}
-    if rows_path is not None:
-        main_log = RowLog(rows_path, flag)  # checks the path on every rank, before any work
-        if ranks.main:
-            main_log.start(resume)
-            if not resume:
-                for part in _parts(rows_path):
-                    part.unlink()
-        ranks.barrier()  # rank 0 has cleared or repaired the files
-        if resume:
-            for source in (rows_path, *_parts(rows_path)):
-                for row in read_rows(source):
-                    done.setdefault(row_key(row["document"]), _check_identity(row, identity, rows_path, flag))
-            for doc in documents:
-                if row_key(doc.name) in done:
-                    _check_content(doc, done[row_key(doc.name)], rows_path, flag)
-        ranks.barrier()  # every rank has read the same rows before any rank writes
-        log = RowLog(part_path(rows_path, ranks.rank), flag) if ranks.distributed else main_log
-        if ranks.distributed:
-            log.start(False)
-
+    rows_file = None if rows_path is None else _RowsFile(rows_path, flag, identity, failures)
+    done = {} if rows_file is None else rows_file.open(documents, resume, ranks)
     todo = [i for i, doc in enumerate(documents) if row_key(doc.name) not in done]
-    share = shard([documents[i].size or 0 for i in todo], ranks.world_size)[ranks.rank]
+    sizes = [documents[i].size or 0 for i in todo]
+    share = [todo[position] for position in shard(sizes, ranks.world_size)[ranks.rank]]
+    mine, cut = _process_share(documents, share, process, warn, on_row, rows_file)
+    gathered = ranks.gather((mine, cut))
+    if gathered is None:  # not rank 0: its rows are in its part file and on rank 0
+        return CorpusResult([row for _, row in mine], [True] * len(mine), time.perf_counter() - started,
+                            cut is not None, ranks)
+    fresh = {index: row for pairs, _ in gathered for index, row in pairs}
+    cuts = {index for _, index in gathered if index is not None}
+    rows, new, written = _in_document_order(documents, fresh, cuts, done)
+    if rows_file is not None and (ranks.distributed or _parts(rows_path)):
+        rows_file.join(written, documents, done)
+    return CorpusResult(rows, new, time.perf_counter() - started, bool(cuts), ranks)
+
+
+def _process_share(documents: list[Document], share: list[int], process: Process, warn: Callable[[str], None],
+                   on_row: Callable[[dict], None] | None, rows_file: _RowsFile | None) -> tuple[list, int | None]:
+    """Run ``process`` over this rank's documents (``share``: their indices, in document order) until one is cut
+    short or ``process`` stops: this rank's ``(index, row)`` pairs, each finished row appended to the rows file,
+    and the document Ctrl-C cut short (reported, never written), or None."""
     mine: list[tuple[int, dict]] = []
-    cut: int | None = None  # the document Ctrl-C cut short: reported, never written
-    for position in share:
-        index = todo[position]
+    for index in share:
         doc = documents[index]
         try:
             outcome = process(index, doc)
@@ -194,23 +191,16 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
         if on_row is not None:
             on_row(row)
         if not complete:
-            cut = index
-            break
-        if log is not None:
-            try:
-                log.append({**row, "run": identity})
-            except KvcliError as exc:
-                if failures is None:
-                    raise
-                failures.add(str(exc))
-                log = None
+            return mine, index
+        if rows_file is not None:
+            rows_file.append(row)
+    return mine, None
 
-    gathered = ranks.gather((mine, cut))
-    if gathered is None:  # not rank 0: its rows are in its part file and on rank 0
-        return CorpusResult([row for _, row in mine], [True] * len(mine), time.perf_counter() - started,
-                            cut is not None, ranks)
-    fresh = {index: row for rows, _ in gathered for index, row in rows}
-    cuts = {index for _, index in gathered if index is not None}
+
+def _in_document_order(documents: list[Document], fresh: dict[int, dict], cuts: set[int],
+                       done: dict[str, dict]) -> tuple[list[dict], list[bool], list[dict]]:
+    """Every row of the job in document order (the ``fresh`` ones every rank made, by document index, and those
+    ``done`` before), whether each is fresh, and the rows the file keeps: all but those Ctrl-C cut short."""
     rows: list[dict] = []
     new: list[bool] = []
     written: list[dict] = []
@@ -224,16 +214,72 @@ def run_corpus(documents: list[Document], process: Process, *, rows_path: Path |
             rows.append(done[row_key(doc.name)])
             new.append(False)
             written.append(done[row_key(doc.name)])
-    if rows_path is not None and (ranks.distributed or _parts(rows_path)):
+    return rows, new, written
+
+
+@dataclass
+class _RowsFile:
+    """A job's rows file as this rank writes it: the file itself in a single process, a part file beside it
+    under several ranks, which rank 0 joins into the file at the end (:meth:`join`)."""
+
+    path: Path
+    flag: str
+    identity: dict  # the run every row written records, and every row reused must have
+    failures: SideFailures | None  # where a file that fails is noted while the job goes on (None: it ends the job)
+    log: RowLog | None = None  # where this rank appends (None once it failed under ``failures``)
+
+    def open(self, documents: list[Document], resume: bool, ranks: Ranks) -> dict[str, dict]:
+        """Check the file on every rank, start (or repair) it on rank 0, and return the rows already done by
+        document key (with ``resume``; else the file and its parts start empty)."""
+        main_log = RowLog(self.path, self.flag)  # checks the path on every rank, before any work
+        if ranks.main:
+            main_log.start(resume)
+            if not resume:
+                for part in _parts(self.path):
+                    part.unlink()
+        ranks.barrier()  # rank 0 has cleared or repaired the files
+        done = self._done(documents) if resume else {}
+        ranks.barrier()  # every rank has read the same rows before any rank writes
+        self.log = RowLog(part_path(self.path, ranks.rank), self.flag) if ranks.distributed else main_log
+        if ranks.distributed:
+            self.log.start(False)
+        return done
+
+    def _done(self, documents: list[Document]) -> dict[str, dict]:
+        """The rows in the file and its parts by document key, once none is found made by another run
+        (:func:`_check_identity`) or from other content than its document holds now (:func:`_check_content`)."""
+        done: dict[str, dict] = {}
+        for source in (self.path, *_parts(self.path)):
+            for row in read_rows(source):
+                done.setdefault(row_key(row["document"]), _check_identity(row, self.identity, self.path, self.flag))
+        for doc in documents:
+            if row_key(doc.name) in done:
+                _check_content(doc, done[row_key(doc.name)], self.path, self.flag)
+        return done
+
+    def append(self, row: dict) -> None:
+        """Append a finished row with the run that made it."""
+        if self.log is None:
+            return
+        try:
+            self.log.append({**row, "run": self.identity})
+        except KvcliError as exc:
+            if self.failures is None:
+                raise
+            self.failures.add(str(exc))
+            self.log = None
+
+    def join(self, written: list[dict], documents: list[Document], done: dict[str, dict]) -> None:
+        """On rank 0 at the end: rewrite the file at once with the job's rows (``written``) and the rows of other
+        documents it held, then remove the part files (left in place when the rewrite fails)."""
         names = {row_key(doc.name) for doc in documents}
         others = [row for name, row in done.items() if name not in names]  # rows of other documents stay
         try:
-            RowLog(rows_path, flag).rewrite([{**row, "run": identity} for row in written + others])
+            RowLog(self.path, self.flag).rewrite([{**row, "run": self.identity} for row in written + others])
         except KvcliError as exc:
-            if failures is None:
+            if self.failures is None:
                 raise
-            failures.add(str(exc))
-            return CorpusResult(rows, new, time.perf_counter() - started, bool(cuts), ranks)  # the parts stay
-        for part in _parts(rows_path):
+            self.failures.add(str(exc))
+            return  # the parts stay
+        for part in _parts(self.path):
             part.unlink()
-    return CorpusResult(rows, new, time.perf_counter() - started, bool(cuts), ranks)

@@ -29,16 +29,17 @@ Why it looks like this:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from kvcli.kv.architecture import describe
-from kvcli.kv.quant import KVQuant, QuantizedTokens, gather_tokens, nbytes, stored
+from kvcli.kv.joined import RotationPlan, alike_batches, keep_joined, union_offsets
+from kvcli.kv.quant import KVQuant, stored
 from kvcli.kv.rope import rotate_keys
+from kvcli.kv.storage import LayerStorage
 
 __all__ = ["AttentionRecord", "CompressedLayer", "KVCache", "LayerView", "WindowLayer", "rotate_keys"]
 
@@ -67,21 +68,16 @@ class AttentionRecord:
         return self.window if self.own is None else self.own
 
 
-class CompressedLayer(CacheLayerMixin):
-    """One layer's keys, values and per-token bookkeeping, gathered together on every eviction."""
+class CompressedLayer(LayerStorage):
+    """One layer's cache: its keys and values (:class:`kvcli.kv.storage.LayerStorage`) and, per token and KV
+    head, the bookkeeping gathered with them on every eviction: the position each key was rotated at when it
+    entered, its index in the stream, and the per-token state a method keeps."""
 
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
     #: The model's attention window of this layer (None: it sees every cached token).
     window: int | None = None
 
     def __init__(self, owner: KVCache, layer_idx: int):
-        super().__init__()
-        # A weak reference: the cache owns its layers, so a finished run's cache (and its tensors) is
-        # freed as soon as the last reference to it goes, without waiting for the garbage collector.
-        self.owner = weakref.proxy(owner)
-        self.layer_idx = layer_idx
+        super().__init__(owner, layer_idx)
         self.entry_pos: torch.Tensor | None = None  # [H, T] position each key was rotated at
         self.token_idx: torch.Tensor | None = None  # [H, T] index of the token in the stream
         self.state: dict[str, torch.Tensor] = {}  # method-owned per-token tensors [H, T]
@@ -91,15 +87,10 @@ class CompressedLayer(CacheLayerMixin):
 
     # --- transformers' CacheLayerMixin -------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, dim = key_states.shape
-        if batch != 1:
-            raise ValueError("kvcli streams one sequence at a time (batch size 1)")
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = self.new_store(key_states.new_empty((1, heads, 0, dim)), keys=True)
-        self.values = self.new_store(value_states.new_empty((1, heads, 0, value_states.shape[-1])), keys=False)
+        super().lazy_initialization(key_states, value_states)
+        heads = key_states.shape[1]
         self.entry_pos = torch.empty((heads, 0), dtype=torch.long, device=self.device)
         self.token_idx = torch.empty((heads, 0), dtype=torch.long, device=self.device)
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -111,59 +102,27 @@ class CompressedLayer(CacheLayerMixin):
         if owner.probing:  # query-aware scoring: attend, record, but keep nothing
             return keys, values
         positions, tokens = owner.new_entries(key_states.shape[1], key_states.shape[-2], self.device)
-        if isinstance(self.keys, QuantizedTokens):
-            self.keys.append(rotate_keys(key_states, -positions, self.inv_freq) if self.pre_rope else key_states)
-            self.values.append(value_states)
-        else:
-            # Keys that did not move are stored as attention reads them: one concatenation serves both.
-            self.keys = keys if cached is self.keys else torch.cat((self.keys, key_states), dim=-2)
-            self.values = values
+        self.append(rotate_keys(key_states, -positions, self.inv_freq) if self.pre_rope else key_states,
+                    value_states, keys if cached is self.keys else None, values)
         self.entry_pos = torch.cat((self.entry_pos, positions), dim=-1)
         self.token_idx = torch.cat((self.token_idx, tokens), dim=-1)
         return keys, values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
-        self.keys = self.values = self.entry_pos = self.token_idx = None
+        super().reset()
+        self.entry_pos = self.token_idx = None
         self.state = {}
         self.method_state = {}
         self.moved = False
         self.record = None
-        self.is_initialized = False
 
     # --- kvcli ---------------------------------------------------------------------------------
-    def new_store(self, empty: torch.Tensor, keys: bool) -> torch.Tensor | QuantizedTokens:
-        """Where this layer keeps keys (``keys``) or values: ``empty`` itself, or a packed store when the
-        cache is quantized (:attr:`KVCache.kv_quant`): values rounded per token, keys the cache's key mode
-        (per-channel keys are stored before RoPE, see :attr:`pre_rope`)."""
-        quant = self.owner.kv_quant
-        if quant is None:
-            return empty
-        return QuantizedTokens(empty, quant, quant.key_mode if keys else "token")
-
-    @property
-    def pre_rope(self) -> bool:
-        """Whether the cached keys are stored un-rotated (position 0), as per-channel rounding needs: a
-        channel's range before RoPE is stable across tokens, after it every pair spins with the position.
-        :meth:`current_keys` then rotates each key once, from 0 to its current position."""
-        return isinstance(self.keys, QuantizedTokens) and self.keys.mode == "channel"
-
     def current_positions(self, block_start: int) -> torch.Tensor:
         """Positions the cached tokens hold now, ending right before ``block_start``: ``[1, T]``, consecutive in
         every head, or ``[H, T]`` when the heads keep different tokens (:attr:`KVCache.heads_apart`): then
         the distinct tokens of all heads take consecutive positions in stream order, so a token has one
         position in every head that holds it (:func:`kvcli.kv.joined.union_offsets`)."""
         if self.owner.heads_apart:
-            from kvcli.kv.joined import union_offsets
-
             return block_start - union_offsets([self.token_idx])
         length = self.get_seq_length()
         return torch.arange(block_start - length, block_start, device=self.device)[None, :]
@@ -181,7 +140,7 @@ class CompressedLayer(CacheLayerMixin):
             return rotate_keys(keys, self.current_positions(block_start) if moved else self.entry_pos, self.inv_freq)
         if not self.needs_rotation(block_start):
             return keys  # every key still sits where it entered
-        joined = self.owner.rotated(self, block_start)  # rotated with other layers' at once (KVCache.plan_rotation)
+        joined = self.owner.rotation.keys(self, block_start)  # rotated with other layers' (KVCache.plan_rotation)
         if joined is not None:
             return joined
         delta = self.current_positions(block_start) - self.entry_pos
@@ -222,16 +181,11 @@ class CompressedLayer(CacheLayerMixin):
         """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending), dropping the rest.
 
         :meth:`KVCache.keep_layers` does the same for many layers at once."""
-        self.keys = gather_tokens(self.keys, indices)
-        self.values = gather_tokens(self.values, indices)
+        self.gather(indices)
         self.entry_pos = self.entry_pos.gather(1, indices)
         self.token_idx = self.token_idx.gather(1, indices)
         self.state = {name: value.gather(1, indices) for name, value in self.state.items()}
         self.moved = True
-
-    def nbytes(self) -> int:
-        """Bytes of keys and values held (packed, with scales and zero points, when quantized)."""
-        return nbytes(self.keys) + nbytes(self.values)
 
 
 class WindowLayer(CompressedLayer):
@@ -283,7 +237,7 @@ class KVCache(Cache):
         self.keep_positions = False  # True: no re-assignment, a token's position is its index in the stream
         #: The method keeps different tokens in different KV heads: re-assigned positions follow the stream
         #: order of the tokens all heads of a layer hold together, not each head's own count
-        #: (:meth:`CompressedLayer.current_positions`). Set by :meth:`kvcli.engine.engine.Engine.new_cache`.
+        #: (:meth:`CompressedLayer.current_positions`). Set by :func:`kvcli.engine.cache_factory.new_cache`.
         self.heads_apart = False
         #: Quantized keys and values (``--kv-bits`` 8, 4, 2; see :mod:`kvcli.kv.quant`), or None: the model's
         #: precision. Set before the first forward (:meth:`quantize`).
@@ -294,9 +248,8 @@ class KVCache(Cache):
         #: Layers whose RoPE frequencies are equal share a number here: their keys rotate as one batch.
         self.freq_group = _equal_groups(self.inv_freqs)
         self._entries: tuple | None = None
-        self._rotation_start: int | None = None
-        self._pending: dict[int, list[CompressedLayer]] = {}
-        self._rotated: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: Which layers rotate their cached keys together in the current forward (:meth:`plan_rotation`).
+        self.rotation = RotationPlan()
 
     def new_entries(self, heads: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Entry positions and stream indices ``[heads, count]`` of the tokens a layer appends in this forward.
@@ -316,65 +269,23 @@ class KVCache(Cache):
         return positions, tokens
 
     def plan_rotation(self) -> None:
-        """Before a forward: rotate the cached keys of layers that stand alike as one batch each
-        (:func:`kvcli.kv.joined.rotated_keys`) when the first of them asks (:meth:`rotated`), rather than
-        one layer at a time. A batch is computed when first needed, so only one batch's rotated keys
-        wait beside the cache."""
-        from kvcli.kv.joined import batches
-
-        self.clear_rotation()
-        start = self.block_start
-        kinds: dict[tuple, list[CompressedLayer]] = {}
-        for layer in self.layers:
-            kind = layer.join_kind(rotation=True) if layer.needs_rotation(start) else None
-            if kind is not None:
-                kinds.setdefault(kind, []).append(layer)
-        for layers in kinds.values():
-            for batch in batches([layer.keys.numel() for layer in layers]):
-                members = [layers[i] for i in batch]
-                for layer in members:
-                    self._pending[layer.layer_idx] = members
-        self._rotation_start = start
-
-    def rotated(self, layer: CompressedLayer, block_start: int) -> torch.Tensor | None:
-        """``layer``'s cached keys rotated to their positions before ``block_start``, computed with the
-        other layers of its batch (:meth:`plan_rotation`); None when not planned for this forward."""
-        from kvcli.kv.joined import rotated_keys
-
-        if block_start != self._rotation_start:
-            return None
-        members = self._pending.get(layer.layer_idx)
-        if members is not None:
-            rotated = rotated_keys([m.keys for m in members], [m.entry_pos for m in members], block_start,
-                                   self.inv_freqs[members[0].layer_idx],
-                                   [m.token_idx for m in members] if self.heads_apart else None)
-            for member, keys in zip(members, rotated, strict=True):
-                self._pending.pop(member.layer_idx)
-                self._rotated[member.layer_idx] = (member.keys, keys)
-        source, keys = self._rotated.pop(layer.layer_idx, (None, None))
-        return keys if source is layer.keys else None  # a layer changed since the plan rotates alone
+        """Before a forward: rotate the cached keys of layers that stand alike as one batch each, when the first
+        of them reads its keys (:class:`kvcli.kv.joined.RotationPlan`), rather than one layer at a time."""
+        self.rotation.plan(self.layers, self.block_start, self.heads_apart)
 
     def clear_rotation(self) -> None:
         """Drop what :meth:`plan_rotation` planned or computed (after a forward: frees the rotated keys)."""
-        self._rotation_start = None
-        self._pending = {}
-        self._rotated = {}
+        self.rotation.clear()
 
     def keep_layers(self, kept: Sequence[tuple[CompressedLayer, torch.Tensor]]) -> None:
         """:meth:`CompressedLayer.keep` of many layers: layers that stand alike keep their tokens with
-        one gather per tensor (:mod:`kvcli.kv.joined`), the others one by one."""
-        from kvcli.kv.joined import batches
-
-        kinds: dict[tuple, list[tuple[CompressedLayer, torch.Tensor]]] = {}
-        for layer, indices in kept:
-            kind = layer.join_kind(rotation=False)
-            if kind is None:
-                layer.keep(indices)
-            else:
-                kinds.setdefault(kind, []).append((layer, indices))
-        for pairs in kinds.values():
-            for batch in batches([layer.keys.numel() + layer.values.numel() for layer, _ in pairs]):
-                _keep_joined([pairs[i] for i in batch])
+        one gather per tensor (:func:`kvcli.kv.joined.keep_joined`), the others one by one."""
+        alone, batches = alike_batches(kept, lambda pair: pair[0].join_kind(rotation=False),
+                                       lambda pair: pair[0].keys.numel() + pair[0].values.numel())
+        for layer, indices in alone:
+            layer.keep(indices)
+        for pairs in batches:
+            keep_joined(pairs)
 
     def quantize(self, bits: int, keys: str | None = None) -> KVCache:
         """Store keys and values at ``bits`` bits from now on (16: the model's precision), keys rounded the
@@ -428,30 +339,6 @@ def _equal_groups(tensors: Sequence[torch.Tensor]) -> list[int]:
             groups.append(len(firsts))
             firsts.append(tensor)
     return groups
-
-
-def _keep_joined(pairs: Sequence[tuple[CompressedLayer, torch.Tensor]]) -> None:
-    """Layers that stand alike (:meth:`CompressedLayer.join_kind`) keep the tokens at their indices, one
-    gather per tensor for all of them: what :meth:`CompressedLayer.keep` does layer by layer."""
-    from kvcli.kv.joined import gather_joined, joined_index, wide_index
-
-    layers = [layer for layer, _ in pairs]
-    index = joined_index([indices for _, indices in pairs], [layer.get_seq_length() for layer in layers])
-    counts = [indices.shape[1] for _, indices in pairs]
-    key_dim, value_dim = layers[0].keys.shape[-1], layers[0].values.shape[-1]
-    wide = wide_index(index, key_dim)
-    keys = gather_joined([layer.keys for layer in layers], wide, counts)
-    values = gather_joined([layer.values for layer in layers], wide if value_dim == key_dim
-                           else wide_index(index, value_dim), counts)
-    entry_pos = gather_joined([layer.entry_pos for layer in layers], index, counts)
-    token_idx = gather_joined([layer.token_idx for layer in layers], index, counts)
-    states = {name: gather_joined([layer.state[name] for layer in layers], index, counts)
-              for name in layers[0].state}
-    for i, layer in enumerate(layers):
-        layer.keys, layer.values = keys[i], values[i]
-        layer.entry_pos, layer.token_idx = entry_pos[i], token_idx[i]
-        layer.state = {name: parts[i] for name, parts in states.items()}
-        layer.moved = True
 
 
 @dataclass

@@ -13,8 +13,9 @@ small beside the cache however large the cache is; a cache above the bound is ha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +24,8 @@ from kvcli.kv.rope import rotate_keys
 #: Most key elements one joined batch holds (64 MiB of float32 per temporary): caches beyond it are
 #: handled a few layers at a time.
 JOIN_ELEMENTS = 1 << 24
+
+Item = TypeVar("Item")
 
 
 def batches(sizes: Sequence[int], limit: int | None = None) -> list[list[int]]:
@@ -38,6 +41,22 @@ def batches(sizes: Sequence[int], limit: int | None = None) -> list[list[int]]:
         groups[-1].append(i)
         total += size
     return groups
+
+
+def alike_batches(items: Sequence[Item], kind: Callable[[Item], tuple | None],
+                  size: Callable[[Item], int]) -> tuple[list[Item], list[list[Item]]]:
+    """``items`` split into those that go alone (``kind`` None) and batches of items of one kind, each within
+    :data:`JOIN_ELEMENTS` by ``size`` (:func:`batches`); kinds in the order first met, items in their order."""
+    alone: list[Item] = []
+    kinds: dict[tuple, list[Item]] = {}
+    for item in items:
+        key = kind(item)
+        if key is None:
+            alone.append(item)
+        else:
+            kinds.setdefault(key, []).append(item)
+    return alone, [[group[i] for i in batch] for group in kinds.values()
+                   for batch in batches([size(item) for item in group])]
 
 
 @lru_cache(maxsize=32)
@@ -79,6 +98,54 @@ def rotated_keys(keys: Sequence[torch.Tensor], entry_pos: Sequence[torch.Tensor]
         delta = current_positions(lengths, block_start, device) - join(entry_pos, dim=1)
     rotated = rotate_keys(join(keys, dim=2), delta, inv_freq)
     return list(rotated.split(lengths, dim=2)) if len(keys) > 1 else [rotated]
+
+
+class RotationPlan:
+    """Which cache layers rotate their keys as one batch in the coming forward, and the rotated keys of a batch
+    whose layers have not all read theirs yet (:meth:`kvcli.kv.cache.KVCache.plan_rotation`).
+
+    A batch is rotated (:func:`rotated_keys`) when the first of its layers reads its keys (:meth:`keys`) and each
+    layer takes its own away, so only one batch's rotated keys wait beside the cache.
+    """
+
+    def __init__(self) -> None:
+        self.start: int | None = None  # the block start planned for (None: nothing planned)
+        self.heads_apart = False  # the layers' heads share one order of positions (KVCache.heads_apart)
+        self.pending: dict[int, list] = {}  # layer index -> the layers of its batch, not rotated yet
+        self.rotated: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer index -> (keys, rotated keys)
+
+    def plan(self, layers: Sequence, block_start: int, heads_apart: bool) -> None:
+        """Group the ``layers`` whose keys a forward starting at ``block_start`` sees moved and that stand alike
+        (:meth:`kvcli.kv.cache.CompressedLayer.join_kind`) into batches."""
+        self.clear()
+        _, groups = alike_batches(
+            layers, lambda layer: layer.join_kind(rotation=True) if layer.needs_rotation(block_start) else None,
+            lambda layer: layer.keys.numel())
+        for members in groups:
+            for layer in members:
+                self.pending[layer.layer_idx] = members
+        self.start, self.heads_apart = block_start, heads_apart
+
+    def keys(self, layer, block_start: int) -> torch.Tensor | None:
+        """``layer``'s cached keys rotated to their positions before ``block_start``, computed with the other
+        layers of its batch; None when not planned for this forward, or when the layer changed since the plan."""
+        if block_start != self.start:
+            return None
+        members = self.pending.get(layer.layer_idx)
+        if members is not None:
+            rotated = rotated_keys([m.keys for m in members], [m.entry_pos for m in members], block_start,
+                                   members[0].inv_freq, [m.token_idx for m in members] if self.heads_apart else None)
+            for member, keys in zip(members, rotated, strict=True):
+                self.pending.pop(member.layer_idx)
+                self.rotated[member.layer_idx] = (member.keys, keys)
+        source, keys = self.rotated.pop(layer.layer_idx, (None, None))
+        return keys if source is layer.keys else None  # a layer changed since the plan rotates alone
+
+    def clear(self) -> None:
+        """Forget the plan and any rotated keys not taken (after a forward: frees them)."""
+        self.start = None
+        self.pending = {}
+        self.rotated = {}
 
 
 #: Sorts after every stream index: pads the token indices of shorter layers in :func:`union_offsets`.
@@ -143,3 +210,26 @@ def wide_index(index: torch.Tensor, dim: int) -> torch.Tensor:
     """A token index ``[H, k]`` expanded over a head dimension of ``dim``, for keys and values ``[1, H, T, dim]``."""
     heads, count = index.shape
     return index[None, :, :, None].expand(1, heads, count, dim)
+
+
+def keep_joined(pairs: Sequence[tuple]) -> None:
+    """Cache layers that stand alike (:meth:`kvcli.kv.cache.CompressedLayer.join_kind`), each with the indices
+    ``[H, k_l]`` of the tokens it keeps: one gather per tensor for all of them, what
+    :meth:`kvcli.kv.cache.CompressedLayer.keep` does layer by layer."""
+    layers = [layer for layer, _ in pairs]
+    index = joined_index([indices for _, indices in pairs], [layer.get_seq_length() for layer in layers])
+    counts = [indices.shape[1] for _, indices in pairs]
+    key_dim, value_dim = layers[0].keys.shape[-1], layers[0].values.shape[-1]
+    wide = wide_index(index, key_dim)
+    keys = gather_joined([layer.keys for layer in layers], wide, counts)
+    values = gather_joined([layer.values for layer in layers], wide if value_dim == key_dim
+                           else wide_index(index, value_dim), counts)
+    entry_pos = gather_joined([layer.entry_pos for layer in layers], index, counts)
+    token_idx = gather_joined([layer.token_idx for layer in layers], index, counts)
+    states = {name: gather_joined([layer.state[name] for layer in layers], index, counts)
+              for name in layers[0].state}
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values = keys[i], values[i]
+        layer.entry_pos, layer.token_idx = entry_pos[i], token_idx[i]
+        layer.state = {name: parts[i] for name, parts in states.items()}
+        layer.moved = True
