@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the command's module is imported by --help: torch is import
     from kvcli.eval.checkpoint import Checkpointer
     from kvcli.eval.kl import Reference
     from kvcli.io.ranks import Ranks
+    from kvcli.methods import Method
     from kvcli.models.load import LoadedModel
 
 
@@ -69,7 +70,7 @@ class CheckedPpl:
     every_tokens: int | None  # --checkpoint-every, as tokens or as seconds
     every_seconds: float | None
     cache_bytes: int | None  # None: the budget is --cache
-    method: object
+    method: Method
 
 
 @dataclass(frozen=True)
