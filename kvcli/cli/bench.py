@@ -6,8 +6,9 @@ runs and the paths written go to stderr.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -25,6 +26,43 @@ from kvcli.cli.options import (
     split_list,
     with_setup,
 )
+
+if TYPE_CHECKING:  # the command's module is imported by --help: torch is imported where it is used
+    from kvcli.models.load import LoadedModel
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """``kvcli bench``'s own options, as the user gave them."""
+
+    source: str
+    methods: str
+    cache: str
+    max_tokens: int
+    out: Path
+    kv_bits: str
+    block: str
+    option: list[str] | None
+    plot: bool
+    markdown: bool
+    kl: bool
+    json_out: bool
+    data_dir: Path | None
+
+    def validate(self) -> tuple[int | None, list]:
+        """The block (None: the device's default) and the planned runs (:func:`kvcli.eval.bench.plan_grid`), every
+        option checked first, reading no file and loading no model; the first one wrong is a :class:`UsageError`."""
+        from kvcli.eval.bench import plan_grid
+
+        method_list = split_list(self.methods, str, "--methods")
+        budgets = split_list(self.cache, int, "--cache")
+        for budget in budgets:
+            check_cache(budget)
+        check_at_least(1, max_tokens=self.max_tokens)
+        block = parse_block(self.block)
+        bits = [parse_kv_bits(item) for item in split_list(self.kv_bits, str, "--kv-bits")]
+        return block, plan_grid(method_list, budgets, method_options(list(dict.fromkeys(method_list)), self.option),
+                                bits)
 
 
 @with_setup
@@ -57,27 +95,32 @@ def bench(
     setup: Setup,
 ) -> None:
     """Perplexity, speed and memory of several methods at several cache sizes on the same tokens."""
-    from kvcli.cli.render import bench_table
-    from kvcli.eval.bench import bench_json, check_out_dir, plan_grid, read_token_stream, run_grid
-    from kvcli.io.report import StreamProgress, dumps, print_result
-
-    method_list = split_list(methods, str, "--methods")
-    budgets = split_list(cache, int, "--cache")
-    for budget in budgets:
-        check_cache(budget)
-    check_at_least(1, max_tokens=max_tokens)
-    block_size = parse_block(block)
-    bits = [parse_kv_bits(item) for item in split_list(kv_bits, str, "--kv-bits")]
-    specs = plan_grid(method_list, budgets, method_options(list(dict.fromkeys(method_list)), option), bits)
-    setup.check_outputs({"--out": out}, source, data_dir=data_dir, folders=("--out",))
+    from kvcli.eval.bench import check_out_dir, read_token_stream
     from kvcli.io.outputs import lock_folder
 
+    opts = BenchOptions(source=source, methods=methods, cache=cache, max_tokens=max_tokens, out=out, kv_bits=kv_bits,
+                        block=block, option=option, plot=plot, markdown=markdown, kl=kl, json_out=json_out,
+                        data_dir=data_dir)
+    block_size, specs = opts.validate()
+    setup.check_outputs({"--out": out}, source, data_dir=data_dir, folders=("--out",))
     ctx.with_resource(lock_folder(out, "--out"))  # one run per folder: two would each keep only their own runs
     check_out_dir(out)
     documents = setup.documents(source, data_dir)
     loaded = setup.load()
     stream = read_token_stream(documents, loaded.tokenizer, source, max_tokens)
-    block_size = resolve_block(block_size, loaded)
+    grid = run(opts, specs, stream, resolve_block(block_size, loaded), loaded, setup)
+    render(opts, grid, setup)
+    if grid.interrupted:
+        setup.note(f"interrupted: {len(grid.runs)} of {len(specs)} runs are in {out}; run the same command to go on")
+        raise typer.Exit(130)
+
+
+def run(opts: BenchOptions, specs: list, stream, block: int, loaded: LoadedModel, setup: Setup):
+    """Every planned run over the token stream (those already in ``--out`` skipped), each one a line on stderr as it
+    starts (unless a progress line shows it) and as it ends."""
+    from kvcli.eval.bench import run_grid
+    from kvcli.io.report import StreamProgress
+
     progress = StreamProgress(stream.tokens + 1, loaded.device, enabled=not setup.quiet)
 
     def on_start(spec, index: int, total: int) -> None:
@@ -95,20 +138,25 @@ def bench(
                    f"tokens/s · {run['seconds']:.1f} s")
 
     def on_skip(runs: list) -> None:
-        setup.note(f"skipping {len(runs)} finished run{'s' * (len(runs) != 1)} already in {out}")
+        setup.note(f"skipping {len(runs)} finished run{'s' * (len(runs) != 1)} already in {opts.out}")
 
     with progress.running():
-        grid = run_grid(loaded, stream, specs, block=block_size, out_dir=out, on_block=on_block, warn=setup.say,
-                        on_skip=on_skip, on_start=on_start, on_run=on_run, kl=kl,
+        return run_grid(loaded, stream, specs, block=block, out_dir=opts.out, on_block=on_block, warn=setup.say,
+                        on_skip=on_skip, on_start=on_start, on_run=on_run, kl=opts.kl,
                         on_reference=lambda: setup.note("KL reference: full attention, reference.kvlogits"))
-    if json_out:
-        print_result(dumps(bench_json(grid, out, _plots(grid, out, plot, setup))))
+
+
+def render(opts: BenchOptions, grid, setup: Setup) -> None:
+    """The table (or, with ``--json``, one JSON object) on stdout and the plots in ``--out``."""
+    from kvcli.cli.render import bench_table
+    from kvcli.eval.bench import bench_json
+    from kvcli.io.report import dumps, print_result
+
+    if opts.json_out:
+        print_result(dumps(bench_json(grid, opts.out, _plots(grid, opts.out, opts.plot, setup))))
     else:
-        print_result(bench_table(grid.runs, grid.settings, grid.interrupted, markdown))
-        _plots(grid, out, plot, setup)
-    if grid.interrupted:
-        setup.note(f"interrupted: {len(grid.runs)} of {len(specs)} runs are in {out}; run the same command to go on")
-        raise typer.Exit(130)
+        print_result(bench_table(grid.runs, grid.settings, grid.interrupted, opts.markdown))
+        _plots(grid, opts.out, opts.plot, setup)
 
 
 def _plots(grid, out: Path, plot: bool, setup: Setup) -> list[Path]:

@@ -1,10 +1,16 @@
-"""``kvcli ppl``: streaming perplexity under a fixed-size KV cache, with memory reported."""
+"""``kvcli ppl``: streaming perplexity under a fixed-size KV cache, with memory reported.
+
+The command reads its options into a :class:`PplOptions`, whose :meth:`PplOptions.validate` refuses a bad
+combination before anything is opened; :func:`claim_outputs` then takes the files the run writes, and
+:func:`score` loads the model and scores the source, with the side files (:class:`SideFiles`) fed as it goes.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import IO, TYPE_CHECKING, Annotated
 
 import typer
 
@@ -30,6 +36,15 @@ from kvcli.cli.options import (
 from kvcli.errors import BudgetError, UsageError
 from kvcli.kv.quant import check_kv_keys
 
+if TYPE_CHECKING:  # the command's module is imported by --help: torch is imported where it is used
+    from kvcli.engine.engine import Engine
+    from kvcli.engine.streaming import StreamTotals
+    from kvcli.eval.checkpoint import Checkpointer
+    from kvcli.eval.kl import Reference
+    from kvcli.io.ranks import Ranks
+    from kvcli.methods import Method
+    from kvcli.models.load import LoadedModel
+
 
 def bytes_budget(method, loaded, nbytes: int, text: str, kv_bits: int = 16, kv_keys: str | None = None) -> int:
     """``--cache-bytes`` as the method's budget in tokens per layer on the loaded model at ``kv_bits`` (keys
@@ -43,6 +58,109 @@ def bytes_budget(method, loaded, nbytes: int, text: str, kv_bits: int = 16, kv_k
         raise UsageError(f"--cache-bytes {text} holds {budget} tokens per layer, fewer than {exc.what} "
                          f"({exc.need}): raise --cache-bytes") from None
     return budget
+
+
+@dataclass(frozen=True)
+class CheckedPpl:
+    """The options of :class:`PplOptions` that need parsing, parsed: what the run is built from."""
+
+    block: int | None  # None: the engine's default for the device
+    kv_bits: int
+    kv_keys: str | None
+    every_tokens: int | None  # --checkpoint-every, as tokens or as seconds
+    every_seconds: float | None
+    cache_bytes: int | None  # None: the budget is --cache
+    method: Method
+
+
+@dataclass(frozen=True)
+class PplOptions:
+    """``kvcli ppl``'s own options, as the user gave them."""
+
+    source: str
+    method: str
+    cache: int
+    block: str
+    option: list[str] | None
+    kv_bits: str
+    kv_keys: str
+    cache_bytes: str | None
+    max_tokens: int | None
+    stream: bool
+    context: int | None
+    stride: int | None
+    json_out: bool
+    jsonl: Path | None
+    data_dir: Path | None
+    rows: Path | None
+    checkpoint: Path | None
+    checkpoint_every: str
+    resume: bool
+    overwrite: bool
+    save_logits: Path | None
+    kl_base: Path | None
+    logits_top_k: int | None
+
+    @property
+    def protocol(self) -> str:
+        """How the source is scored, as the result names it: sliding windows, one stream, or document by document."""
+        return "sliding" if self.context is not None else ("stream" if self.stream else "documents")
+
+    def validate(self) -> CheckedPpl:
+        """Every option checked and parsed, reading no file and loading no model, so that a mistake costs no wait;
+        the first one wrong is a :class:`UsageError`."""
+        from kvcli.methods import make_method
+
+        check_at_least(1, max_tokens=self.max_tokens, logits_top_k=self.logits_top_k, context=self.context)
+        block = parse_block(self.block)
+        bits = parse_kv_bits(self.kv_bits)
+        keys = check_kv_keys(self.kv_keys)
+        if self.checkpoint is not None:
+            from kvcli.eval.checkpoint import check_restorable
+
+            check_restorable(bits)  # the Checkpointer itself refuses it too, but only once the model is loaded
+        self._check_together()
+        from kvcli.eval.checkpoint import parse_every  # imports torch: after the checks that need none
+
+        every_tokens, every_seconds = parse_every(self.checkpoint_every)
+        nbytes = parse_bytes(self.cache_bytes, "--cache-bytes") if self.cache_bytes is not None else None
+        method = (build_method(self.method, self.option, self.cache) if nbytes is None
+                  else make_method(self.method, parse_options(self.option)))
+        return CheckedPpl(block, bits, keys, every_tokens, every_seconds, nbytes, method)
+
+    def _check_together(self) -> None:
+        """Options that only make sense with another, or that choose between protocols."""
+        if (self.context is None) != (self.stride is None):
+            raise UsageError("--context and --stride go together")
+        if self.context is not None and not 1 <= self.stride <= self.context:
+            raise UsageError("--stride must be between 1 and --context")
+        if self.context is not None and self.stream:
+            raise UsageError("--stream and --context/--stride are different protocols: choose one")
+        if self.stream and self.rows is not None:
+            raise UsageError("--rows writes one row per document; --stream reads them as one stream")
+        if self.resume and self.rows is None and self.checkpoint is None:
+            raise UsageError("--resume needs --rows FILE (rows written are skipped) or --checkpoint DIR (its stream "
+                             "continues)")
+        if self.checkpoint is not None and (self.rows is not None or self.context is not None):
+            raise UsageError(f"--checkpoint saves one stream, not {'--rows' if self.rows is not None else '--context'}"
+                             ": choose one")
+        if self.checkpoint is not None and self.resume and self.jsonl is not None:
+            raise UsageError("--jsonl cannot continue the per-block curve of a resumed stream: leave it out")
+        if self.logits_top_k is not None and self.save_logits is None:
+            raise UsageError("--logits-top-k goes with --save-logits")
+        if (self.save_logits is not None or self.kl_base is not None) and (self.resume or self.checkpoint is not None):
+            raise UsageError("--save-logits and --kl-base follow one uninterrupted run token by token: leave out "
+                             "--resume and --checkpoint")
+        if self.overwrite and self.checkpoint is None:
+            raise UsageError("--overwrite goes with --checkpoint (it starts over in a folder holding a checkpoint)")
+
+    def check_ranks(self, ranks: Ranks) -> None:
+        """Several ranks share whole documents: what follows one stream token by token needs one process."""
+        if ranks.distributed and (self.stream or self.max_tokens is not None or self.checkpoint is not None
+                                  or self.save_logits is not None or self.kl_base is not None):
+            flag = ("--stream" if self.stream else "--max-tokens" if self.max_tokens is not None else
+                    "--checkpoint" if self.checkpoint is not None else "--save-logits/--kl-base")
+            raise UsageError(f"{flag} needs one process: several ranks share whole documents")
 
 
 @with_setup
@@ -93,187 +211,227 @@ def ppl(
     setup: Setup,
 ) -> None:
     """Streaming perplexity of SOURCE under a fixed-size KV cache, with memory reported."""
-    from kvcli.io.outputs import check_output
-    from kvcli.methods import make_method
-
-    check_at_least(1, max_tokens=max_tokens, logits_top_k=logits_top_k, context=context)
-    block_size = parse_block(block)
-    bits = parse_kv_bits(kv_bits)
-    keys = check_kv_keys(kv_keys)
-    if checkpoint is not None:
-        from kvcli.eval.checkpoint import check_restorable
-
-        check_restorable(bits)  # before the model loads; the Checkpointer itself refuses it too
-    if (context is None) != (stride is None):
-        raise UsageError("--context and --stride go together")
-    if context is not None and not 1 <= stride <= context:
-        raise UsageError("--stride must be between 1 and --context")
-    if context is not None and stream:
-        raise UsageError("--stream and --context/--stride are different protocols: choose one")
-    if stream and rows is not None:
-        raise UsageError("--rows writes one row per document; --stream reads them as one stream")
-    if resume and rows is None and checkpoint is None:
-        raise UsageError("--resume needs --rows FILE (rows written are skipped) or --checkpoint DIR (its stream "
-                         "continues)")
-    if checkpoint is not None and (rows is not None or context is not None):
-        raise UsageError(f"--checkpoint saves one stream, not {'--rows' if rows is not None else '--context'}: "
-                         "choose one")
-    if checkpoint is not None and resume and jsonl is not None:
-        raise UsageError("--jsonl cannot continue the per-block curve of a resumed stream: leave it out")
-    if logits_top_k is not None and save_logits is None:
-        raise UsageError("--logits-top-k goes with --save-logits")
-    if (save_logits is not None or kl_base is not None) and (resume or checkpoint is not None):
-        raise UsageError("--save-logits and --kl-base follow one uninterrupted run token by token: leave out "
-                         "--resume and --checkpoint")
-    if overwrite and checkpoint is None:
-        raise UsageError("--overwrite goes with --checkpoint (it starts over in a folder holding a checkpoint)")
-    from kvcli.eval.checkpoint import parse_every
-
-    every_tokens, every_seconds = parse_every(checkpoint_every)
+    opts = PplOptions(
+        source=source, method=method, cache=cache, block=block, option=option, kv_bits=kv_bits, kv_keys=kv_keys,
+        cache_bytes=cache_bytes, max_tokens=max_tokens, stream=stream, context=context, stride=stride,
+        json_out=json_out, jsonl=jsonl, data_dir=data_dir, rows=rows, checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every, resume=resume, overwrite=overwrite, save_logits=save_logits,
+        kl_base=kl_base, logits_top_k=logits_top_k)
+    checked = opts.validate()
     ranks, setup = join_ranks(setup)
-    if ranks.distributed and (stream or max_tokens is not None or checkpoint is not None
-                              or save_logits is not None or kl_base is not None):
-        flag = ("--stream" if stream else "--max-tokens" if max_tokens is not None else
-                "--checkpoint" if checkpoint is not None else "--save-logits/--kl-base")
-        raise UsageError(f"{flag} needs one process: several ranks share whole documents")
-    nbytes = parse_bytes(cache_bytes, "--cache-bytes") if cache_bytes is not None else None
-    method_obj = build_method(method, option, cache) if nbytes is None else make_method(method, parse_options(option))
-    setup.check_outputs({"--jsonl": jsonl, "--rows": rows, "--save-logits": save_logits, "--checkpoint": checkpoint},
-                        source, data_dir=data_dir, folders=("--checkpoint",), inputs=(("--kl-base", kl_base),))
-    for path, flag in ((jsonl, "--jsonl"), (rows, "--rows"), (save_logits, "--save-logits")):
+    opts.check_ranks(ranks)
+    claim_outputs(ctx, opts, setup, ranks.main)
+    scored = score(opts, checked, setup, ranks, open_reference(ctx, opts))
+    if not ranks.main:  # rank 0 prints the whole job's result
+        scored.side.failures.check()
+        return
+    render(opts, checked, scored, setup)
+    scored.side.failures.check()
+    if scored.totals.interrupted:
+        raise typer.Exit(130)
+
+
+def claim_outputs(ctx: typer.Context, opts: PplOptions, setup: Setup, main: bool) -> None:
+    """Before the model loads: every output apart from the inputs and writable, ``--rows`` held by this run (rank 0
+    of several) and the ``--checkpoint`` folder locked and claimed, both until the command ends (its context
+    releases them however it ends)."""
+    from kvcli.io.outputs import check_output
+
+    setup.check_outputs({"--jsonl": opts.jsonl, "--rows": opts.rows, "--save-logits": opts.save_logits,
+                         "--checkpoint": opts.checkpoint}, opts.source, data_dir=opts.data_dir,
+                        folders=("--checkpoint",), inputs=(("--kl-base", opts.kl_base),))
+    for path, flag in ((opts.jsonl, "--jsonl"), (opts.rows, "--rows"), (opts.save_logits, "--save-logits")):
         if path is not None:
             check_output(path, flag)
-    if rows is not None and ranks.main:  # one run per rows file, until the command ends
+    if opts.rows is not None and main:  # one run per rows file
         from kvcli.io.paths import hold_file
 
-        ctx.with_resource(hold_file(rows, "--rows"))
-    if checkpoint is not None:
-        # The folder is this run's until the command ends (its context closes it then, however it ends),
-        # and is checked before the model loads.
+        ctx.with_resource(hold_file(opts.rows, "--rows"))
+    if opts.checkpoint is not None:
         from kvcli.eval.checkpoint import claim
         from kvcli.io.outputs import lock_folder
 
-        ctx.with_resource(lock_folder(checkpoint, "--checkpoint"))
-        claim(checkpoint, resume, overwrite)
-    from kvcli.cli.render import ppl_summary
-    from kvcli.eval.checkpoint import Checkpointer, identity
-    from kvcli.eval.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter, Reference
-    from kvcli.eval.perplexity import PerplexityRun, evaluate
-    from kvcli.io.identity import rows_identity
-    from kvcli.io.outputs import SideFailures, open_output
-    from kvcli.io.report import StreamProgress, dumps, print_result
+        ctx.with_resource(lock_folder(opts.checkpoint, "--checkpoint"))
+        claim(opts.checkpoint, opts.resume, opts.overwrite)
 
-    # Side files that fail while the run goes on (a full disk) are collected, not raised: the result is
-    # printed first, then one line says which file is incomplete (kvcli.io.outputs.SideFailures).
-    reference = Reference(kl_base) if kl_base is not None else None
-    if reference is not None:
-        ctx.call_on_close(reference.close)  # read to the end when fewer tokens are compared (KLMeter.finish)
-        if max_tokens is not None and max_tokens > reference.tokens:
-            raise UsageError(f"--max-tokens {max_tokens:,} is more than the {reference.tokens:,} tokens of {kl_base}")
-        asked = max_tokens  # fewer tokens than the reference holds compare over its first ones
-        max_tokens = max_tokens or reference.tokens  # the reference's tokens unless fewer are asked for
-    documents = setup.documents(source, data_dir)
-    loaded = setup.load()
-    if nbytes is not None:
-        cache = bytes_budget(method_obj, loaded, nbytes, cache_bytes, bits, keys)
-    engine = setup.build_engine(loaded, method_obj, cache, block_size, kv_bits=bits, kv_keys=keys)
-    saver = None
-    if checkpoint is not None:
-        saver = Checkpointer(checkpoint, identity(loaded, engine), every_tokens, every_seconds, resume=resume)
-        if overwrite:
-            saver.path.unlink(missing_ok=True)  # started over: a kill before the first save leaves no old state
-    vocab = int(loaded.model.config.vocab_size)
-    meter = None
-    if reference is not None:
-        reference.check_model(loaded.name, vocab)
-        meter = KLMeter(reference, asked)
-    failures = SideFailures()
-    top_k = DEFAULT_TOP_K if logits_top_k is None else logits_top_k
-    writer = LogitsWriter(save_logits, loaded.name, vocab, top_k) if save_logits else None
-    hooks = [hook.add for hook in (writer, meter) if hook is not None]
 
-    def on_logits(logprobs, targets) -> None:
-        nonlocal writer
-        if writer is not None:
+def open_reference(ctx: typer.Context, opts: PplOptions) -> Reference | None:
+    """The ``--kl-base`` reference (None without one), open until the command ends, checked to hold at least the
+    ``--max-tokens`` asked for."""
+    if opts.kl_base is None:
+        return None
+    from kvcli.eval.kl import Reference
+
+    reference = Reference(opts.kl_base)
+    ctx.call_on_close(reference.close)  # read to the end when fewer tokens are compared (KLMeter.finish)
+    if opts.max_tokens is not None and opts.max_tokens > reference.tokens:
+        raise UsageError(f"--max-tokens {opts.max_tokens:,} is more than the {reference.tokens:,} tokens of "
+                         f"{opts.kl_base}")
+    return reference
+
+
+class SideFiles:
+    """What a run writes and compares beside its result: ``--jsonl`` (a record per block), ``--save-logits`` (a
+    reference) and the ``--kl-base`` comparison, fed as the run streams.
+
+    A side file that fails while the run goes on (a full disk) is collected in :attr:`failures`, not raised: the
+    result is printed first, then one line says which file is incomplete (:class:`kvcli.io.outputs.SideFailures`).
+    """
+
+    def __init__(self, opts: PplOptions, loaded: LoadedModel, reference: Reference | None) -> None:
+        from kvcli.eval.kl import DEFAULT_TOP_K, KLMeter, LogitsWriter
+        from kvcli.io.outputs import SideFailures, open_output
+
+        vocab = int(loaded.model.config.vocab_size)
+        self.meter = None
+        if reference is not None:
+            reference.check_model(loaded.name, vocab)
+            self.meter = KLMeter(reference, opts.max_tokens)  # fewer tokens asked: compared over the first ones
+        self.failures = SideFailures()
+        self.logits_path, self.jsonl_path = opts.save_logits, opts.jsonl
+        top_k = DEFAULT_TOP_K if opts.logits_top_k is None else opts.logits_top_k
+        self.writer = LogitsWriter(opts.save_logits, loaded.name, vocab, top_k) if opts.save_logits else None
+        self.hooked = self.writer is not None or self.meter is not None
+        self.jsonl = open_output(opts.jsonl, "--jsonl") if opts.jsonl else None
+
+    def on_logits(self, logprobs, targets) -> None:
+        """Every scored token's log-probabilities: to the reference being saved and to the comparison."""
+        if self.writer is not None:
             try:
-                writer.add(logprobs, targets)
+                self.writer.add(logprobs, targets)
             except OSError as exc:
-                failures.oserror("--save-logits", save_logits, exc)
-                writer.abort()  # a reference cut short is removed: nobody may compare against it
-                writer = None
-        if meter is not None:
-            meter.add(logprobs, targets)
+                self.failures.oserror("--save-logits", self.logits_path, exc)
+                self.writer.abort()  # a reference cut short is removed: nobody may compare against it
+                self.writer = None
+        if self.meter is not None:
+            self.meter.add(logprobs, targets)
 
+    def on_block(self, stats) -> None:
+        """One ``--jsonl`` record per block."""
+        if not self.jsonl:
+            return
+        try:
+            self.jsonl.write(json.dumps({"position": stats.position, "tokens": stats.tokens, "nll": stats.nll,
+                                         "cache_tokens": stats.cache_tokens,
+                                         "tokens_per_second": stats.tokens_per_second}) + "\n")
+        except OSError as exc:
+            self.failures.oserror("--jsonl", self.jsonl_path, exc)
+            _close_quietly(self.jsonl)
+            self.jsonl = None
+
+    def close(self, totals: StreamTotals | None) -> None:
+        """Close the files once the run ends: the saved reference complete when it finished (``totals``), removed
+        when it raised (``totals`` None)."""
+        if self.jsonl:
+            try:
+                self.jsonl.close()
+            except OSError as exc:
+                self.failures.oserror("--jsonl", self.jsonl_path, exc)
+        if self.writer is not None:
+            try:
+                self.writer.close(totals.interrupted) if totals is not None else self.writer.abort()
+            except OSError as exc:
+                self.failures.oserror("--save-logits", self.logits_path, exc)
+                self.writer.abort()
+                self.writer = None
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What a ``ppl`` run measured (:func:`kvcli.eval.perplexity.evaluate`'s results) and on what."""
+
+    loaded: LoadedModel
+    engine: Engine
+    totals: StreamTotals
+    doc_rows: list[dict]
+    peak: int
+    job: dict | None
+    saver: Checkpointer | None
+    side: SideFiles
+
+
+def score(opts: PplOptions, checked: CheckedPpl, setup: Setup, ranks: Ranks, reference: Reference | None) -> Scored:
+    """Load the model and score SOURCE the way the options say, with a progress line and the side files fed."""
+    from kvcli.eval.checkpoint import identity
+    from kvcli.eval.perplexity import evaluate
+    from kvcli.io.identity import rows_identity
+    from kvcli.io.report import StreamProgress
+
+    documents = setup.documents(opts.source, opts.data_dir)
+    loaded = setup.load()
+    cache = opts.cache if checked.cache_bytes is None else bytes_budget(
+        checked.method, loaded, checked.cache_bytes, opts.cache_bytes, checked.kv_bits, checked.kv_keys)
+    engine = setup.build_engine(loaded, checked.method, cache, checked.block, kv_bits=checked.kv_bits,
+                                kv_keys=checked.kv_keys)
+    saver = _checkpointer(opts, checked, loaded, engine)
+    side = SideFiles(opts, loaded, reference)
+    # Compared with a reference, the run scores the reference's tokens unless fewer are asked for.
+    max_tokens = (opts.max_tokens or reference.tokens) if reference is not None else opts.max_tokens
     progress = StreamProgress(max_tokens, loaded.device, enabled=not setup.quiet and ranks.main)
     label: list[str] = []  # the document being scored, shown on the progress line
 
     def on_document(index: int, doc) -> None:
         label[:] = [f"{index + 1}/{len(documents)} {Path(doc.name).name}"]
 
-    jsonl_file = open_output(jsonl, "--jsonl") if jsonl else None
-
     def on_block(stats, totals) -> None:
-        nonlocal jsonl_file
-        if jsonl_file:
-            try:
-                jsonl_file.write(json.dumps({"position": stats.position, "tokens": stats.tokens, "nll": stats.nll,
-                                             "cache_tokens": stats.cache_tokens,
-                                             "tokens_per_second": stats.tokens_per_second}) + "\n")
-            except OSError as exc:
-                failures.oserror("--jsonl", jsonl, exc)
-                _close_quietly(jsonl_file)
-                jsonl_file = None
+        side.on_block(stats)
         progress.update(totals.processed, stats.tokens_per_second, totals.ppl, stats.cache_tokens,
                         label[0] if label else None)
 
-    finished = False
+    finished = None  # the totals once the run ends without raising
     try:
         with progress.running():
-            totals, doc_rows, peak, job = evaluate(loaded, documents, engine, max_tokens=max_tokens, stream=stream,
-                                                   context=context, stride=stride, on_block=on_block,
-                                                   rows_path=rows, resume=resume, ranks=ranks,
-                                                   on_document=on_document, checkpoint=saver,
-                                                   on_logits=on_logits if hooks else None, failures=failures,
-                                                   rows_identity=rows_identity("ppl", **identity(loaded, engine),
-                                                                               kv_bits=bits, context=context,
-                                                                               stride=stride))
-        finished = True
+            totals, doc_rows, peak, job = evaluate(
+                loaded, documents, engine, max_tokens=max_tokens, stream=opts.stream, context=opts.context,
+                stride=opts.stride, on_block=on_block, rows_path=opts.rows, resume=opts.resume, ranks=ranks,
+                on_document=on_document, checkpoint=saver, on_logits=side.on_logits if side.hooked else None,
+                failures=side.failures, rows_identity=rows_identity("ppl", **identity(loaded, engine),
+                                                                    kv_bits=checked.kv_bits, context=opts.context,
+                                                                    stride=opts.stride))
+        finished = totals
     finally:
-        if jsonl_file:
-            try:
-                jsonl_file.close()
-            except OSError as exc:
-                failures.oserror("--jsonl", jsonl, exc)
-        if writer is not None:
-            try:
-                writer.close(totals.interrupted) if finished else writer.abort()
-            except OSError as exc:
-                failures.oserror("--save-logits", save_logits, exc)
-                writer.abort()
-                writer = None
+        side.close(finished)
         ranks.close()
-    if not ranks.main:  # rank 0 prints the whole job's result
-        failures.check()
-        return
+    return Scored(loaded, engine, totals, doc_rows, peak, job, saver, side)
+
+
+def _checkpointer(opts: PplOptions, checked: CheckedPpl, loaded: LoadedModel, engine: Engine) -> Checkpointer | None:
+    """The ``--checkpoint`` saver of the stream (None without one); started over, the old state is gone at once,
+    so a kill before the first save leaves nothing stale to resume."""
+    if opts.checkpoint is None:
+        return None
+    from kvcli.eval.checkpoint import Checkpointer, identity
+
+    saver = Checkpointer(opts.checkpoint, identity(loaded, engine), checked.every_tokens, checked.every_seconds,
+                         resume=opts.resume)
+    if opts.overwrite:
+        saver.path.unlink(missing_ok=True)
+    return saver
+
+
+def render(opts: PplOptions, checked: CheckedPpl, scored: Scored, setup: Setup) -> None:
+    """The result on stdout, one JSON object (``--json``) or the summary; where a checkpoint was continued from
+    on stderr first."""
+    from kvcli.cli.render import ppl_summary
+    from kvcli.eval.perplexity import PerplexityRun
+    from kvcli.io.report import dumps, print_result
+
+    saver, engine, totals = scored.saver, scored.engine, scored.totals
     if saver is not None and saver.resumed_from is not None:
-        setup.note(f"continued the checkpoint in {checkpoint} from token {saver.resumed_from:,} of the stream")
-    protocol = "sliding" if context is not None else ("stream" if stream else "documents")
-    result = PerplexityRun(loaded, method, method_obj.settings(), engine.budget, engine.block, protocol, totals,
-                           doc_rows, peak, job).as_dict()
-    result["kv_bits"] = bits
-    if bits != 16:
+        setup.note(f"continued the checkpoint in {opts.checkpoint} from token {saver.resumed_from:,} of the stream")
+    result = PerplexityRun(scored.loaded, opts.method, checked.method.settings(), engine.budget, engine.block,
+                           opts.protocol, totals, scored.doc_rows, scored.peak, scored.job).as_dict()
+    result["kv_bits"] = checked.kv_bits
+    if checked.kv_bits != 16:
         result["kv_keys"] = engine.cache_key_mode
-    if meter is not None:
-        result.update(meter.finish(totals.interrupted).as_dict())
-    if writer is not None:
-        result["saved_logits"] = str(save_logits)
-    print_result(dumps(result) if json_out else ppl_summary(result))
-    failures.check()
-    if totals.interrupted:
-        raise typer.Exit(130)
+    if scored.side.meter is not None:
+        result.update(scored.side.meter.finish(totals.interrupted).as_dict())
+    if scored.side.writer is not None:
+        result["saved_logits"] = str(opts.save_logits)
+    print_result(dumps(result) if opts.json_out else ppl_summary(result))
 
 
-def _close_quietly(handle) -> None:
+def _close_quietly(handle: IO[str]) -> None:
     """Close a file whose writes already failed; its own flush failing too says nothing new."""
     try:
         handle.close()

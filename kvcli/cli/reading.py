@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -36,9 +36,15 @@ from kvcli.cli.options import (
     with_setup,
 )
 from kvcli.errors import UsageError
-from kvcli.reading.prompts import ANSWER_REPETITION, SUMMARY_REPETITION, Repetition
+from kvcli.reading.prompts import ANSWER_REPETITION, SUMMARY_REPETITION, Instruction, Repetition
 from kvcli.reading.recap import RECAP_TOKENS
 from kvcli.reading.sections import SECTION_TOKENS
+
+if TYPE_CHECKING:  # the command's module is imported by --help: torch is imported where it is used
+    from kvcli.engine.engine import Engine
+    from kvcli.methods import Method
+    from kvcli.models.load import LoadedModel
+    from kvcli.reading.generate import Generation
 
 SourceArg = Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text; one by "
                                           "one with --each), or - for stdin.")]
@@ -106,6 +112,16 @@ def check_recap(tokens: int) -> None:
 
 
 @dataclass(frozen=True)
+class CheckedRead:
+    """The options of :class:`ReadOptions` that need parsing, parsed: what the reader is built from."""
+
+    block: int
+    kv_bits: int
+    repetition: Repetition
+    method: Method
+
+
+@dataclass(frozen=True)
 class ReadOptions:
     """How ``summarize`` and ``ask`` read and write: the options a method preset may fill, and the rest."""
 
@@ -129,6 +145,40 @@ class ReadOptions:
     recap: int = 0
     no_repeat_ngram: int = 0
     repetition_penalty: float = 1.0
+
+    def validate(self, section: int = 0) -> CheckedRead:
+        """Every option (and summarize's ``--section``) checked and parsed, reading no file and loading no model,
+        so that a mistake costs no wait; the first one wrong is a :class:`UsageError`."""
+        check_at_least(1, max_new_tokens=self.max_new_tokens)
+        check_recap(self.recap)
+        check_at_least(0, section=section)
+        repetition = check_repetition(self.no_repeat_ngram, self.repetition_penalty)
+        block = parse_read_block(self.block)
+        bits = parse_kv_bits(self.kv_bits)
+        check_temperature(self.temperature)
+        check_seed(self.seed)
+        method = build_method(self.method, self.options, self.cache)
+        if not self.each and (self.rows is not None or self.resume):
+            raise UsageError(f"{'--rows' if self.rows is not None else '--resume'} goes with --each (one row per "
+                             "document)")
+        if self.resume and self.rows is None:
+            raise UsageError("--resume needs --rows FILE (the rows already written are skipped)")
+        if self.each and self.json_out:
+            raise UsageError("--each already prints one JSON object per document: drop --json")
+        return CheckedRead(block, bits, repetition, method)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a run writes about a document: ``command`` (summarize or ask) with its ``instruction``, what the user
+    asked (``about``: the question, the prompt or the template, recorded in every row of ``--rows``), and
+    summarize's ``section`` length and whether the sections' summaries are then ``combine``d by one more pass."""
+
+    command: str
+    instruction: Instruction
+    about: dict
+    section: int = 0
+    combine: bool = False
 
 
 def with_reading(max_new_tokens: int, repetition: Repetition, recap: int = 0):
@@ -174,56 +224,29 @@ def apply_presets(ctx: typer.Context, specs: list[str] | None, setup: Setup, rea
                                       stop=list(dict.fromkeys([*merged.get("stop", []), *read.stop])))
 
 
-def write_about(reader, parts, instruction, document, read: ReadOptions, section: int = 0, combine: bool = False,
-                **callbacks) -> tuple[object, list]:
-    """Read ``document`` and write about it: in sections when ``section`` (summarize,
-    :mod:`kvcli.reading.sections`; their
-    summaries then ``combine``d by one more pass or not), else in one pass. The
+def write_about(reader, parts, task: Task, document, read: ReadOptions, **callbacks) -> tuple[Generation, list]:
+    """Read ``document`` and write about it: in sections when the task has them (summarize,
+    :mod:`kvcli.reading.sections`; their summaries then combined by one more pass or not), else in one pass. The
     :class:`kvcli.reading.generate.Generation` and the sections (none for one pass)."""
-    if section:
+    if task.section:
         from kvcli.reading.sections import summarize_in_sections
 
-        return summarize_in_sections(reader, instruction, document, read.max_new_tokens, section=section,
-                                     combine=combine, one_shot=read.one_shot, probe=read.probe, **callbacks)
+        return summarize_in_sections(reader, task.instruction, document, read.max_new_tokens, section=task.section,
+                                     combine=task.combine, one_shot=read.one_shot, probe=read.probe, **callbacks)
     callbacks.pop("on_section", None)
     return reader.run(parts, document, read.max_new_tokens, one_shot=read.one_shot, probe=read.probe,
                       **callbacks), []
 
 
-def read_and_write(ctx: typer.Context, command: str, source: str, instruction, setup: Setup, read: ReadOptions,
-                   about: dict, section: int = 0, combine: bool = False) -> None:
-    """The shared body of ``summarize`` and ``ask``; ``about`` is what the user asked (the question, the prompt
-    or template), recorded in every row of ``--rows``; ``section`` and ``combine``: summarize's sections."""
-    from kvcli.cli.render import reading_summary
+def read_and_write(ctx: typer.Context, source: str, task: Task, setup: Setup, read: ReadOptions) -> None:
+    """The shared body of ``summarize`` and ``ask``: presets applied, options checked, the model loaded, then
+    SOURCE written about, as one text or (``--each``) document by document."""
     from kvcli.eval.checkpoint import identity
-    from kvcli.io.report import (
-        ReadProgress,
-        StdoutStream,
-        dumps,
-        peak_memory_bytes,
-        print_result,
-        reset_peak_memory,
-        stderr_console,
-    )
     from kvcli.reading.prompts import build_prompt, stop_token_ids
     from kvcli.reading.reader import Reader, document_tokens
 
     setup, read = apply_presets(ctx, read.presets, setup, read)
-    check_at_least(1, max_new_tokens=read.max_new_tokens)
-    check_recap(read.recap)
-    check_at_least(0, section=section)
-    repetition = check_repetition(read.no_repeat_ngram, read.repetition_penalty)
-    block_size = parse_read_block(read.block)
-    bits = parse_kv_bits(read.kv_bits)
-    check_temperature(read.temperature)
-    check_seed(read.seed)
-    method_obj = build_method(read.method, read.options, read.cache)
-    if not read.each and (read.rows is not None or read.resume):
-        raise UsageError(f"{'--rows' if read.rows is not None else '--resume'} goes with --each (one row per document)")
-    if read.resume and read.rows is None:
-        raise UsageError("--resume needs --rows FILE (the rows already written are skipped)")
-    if read.each and read.json_out:
-        raise UsageError("--each already prints one JSON object per document: drop --json")
+    checked = read.validate(task.section)
     ranks, setup = join_ranks(setup)
     if ranks.distributed and not read.each:
         raise UsageError("several ranks share the documents of a folder: add --each")
@@ -231,26 +254,44 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
     documents = setup.documents(source)
     loaded = setup.load()
     tokenizer = loaded.tokenizer
-    engine = setup.build_engine(loaded, method_obj, read.cache, block_size, kv_bits=bits)
-    parts = build_prompt(tokenizer, instruction)
+    engine = setup.build_engine(loaded, checked.method, read.cache, checked.block, kv_bits=checked.kv_bits)
+    parts = build_prompt(tokenizer, task.instruction)
     reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop),
                     stop=[*read.stop, *parts.stop],
-                    temperature=read.temperature, seed=read.seed, recap=read.recap, repetition=repetition)
+                    temperature=read.temperature, seed=read.seed, recap=read.recap, repetition=checked.repetition)
     if read.each:
-        settings = {**about, **identity(loaded, engine), "kv_bits": bits, "instruction": instruction.text,
-                    "cue": instruction.cue, "answer_prefix": instruction.answer_prefix, "chat_template": parts.chat,
-                    "max_new_tokens": read.max_new_tokens, "temperature": read.temperature, "seed": read.seed,
-                    "one_shot": read.one_shot, "probe": read.probe, "recap": read.recap, "stop": read.stop,
-                    "no_repeat_ngram": read.no_repeat_ngram, "repetition_penalty": read.repetition_penalty,
-                    "section": section, "combine": combine}
-        each_document(command, documents, reader, parts, instruction, setup, read, ranks, settings, section,
-                      combine)
+        settings = row_settings(task, read, parts, identity(loaded, engine), checked.kv_bits)
+        each_document(documents, reader, parts, task, setup, read, ranks, settings)
         return
+    written = write_one(reader, parts, task, document_tokens(documents, tokenizer), setup, read, loaded)
+    render(written, task, read, checked, setup)
+    if written.gen.finish_reason == "interrupted":
+        raise typer.Exit(130)
+
+
+@dataclass(frozen=True)
+class Written:
+    """One text read and written about (:func:`write_one`): the generation, summarize's sections, the peak memory,
+    and on what (the model, the engine, whether the prompt took the chat template)."""
+
+    gen: Generation
+    sections: list
+    peak: int
+    loaded: LoadedModel
+    engine: Engine
+    chat: bool
+
+
+def write_one(reader, parts, task: Task, document, setup: Setup, read: ReadOptions, loaded: LoadedModel) -> Written:
+    """Read ``document`` and write about it, the text on stdout as it is produced (nothing with ``--json``: the
+    object comes after), the progress and the sections a last pass combines on stderr."""
+    from kvcli.io.report import ReadProgress, StdoutStream, peak_memory_bytes, reset_peak_memory
+
     out = None if read.json_out else StdoutStream()
     reset_peak_memory(loaded.device)
     progress = ReadProgress(enabled=not setup.quiet)
     reader.on_progress = progress.update
-    primer = instruction.answer_prefix
+    primer = task.instruction.answer_prefix
 
     def after_reading(gen) -> None:
         progress.__exit__()
@@ -261,44 +302,63 @@ def read_and_write(ctx: typer.Context, command: str, source: str, instruction, s
         setup.note(f"section {index + 1} (tokens {part.start + 1:,}-{part.start + part.tokens:,}): {part.summary}")
 
     with progress:
-        gen, sections = write_about(reader, parts, instruction, document_tokens(documents, tokenizer), read, section,
-                                    combine, on_text=out.write if out else None, on_read=after_reading,
-                                    on_section=on_section if combine else None)
+        gen, sections = write_about(reader, parts, task, document, read, on_text=out.write if out else None,
+                                    on_read=after_reading, on_section=on_section if task.combine else None)
     peak = peak_memory_bytes(loaded.device)
     if out is not None:
         out.end()
-    else:
+    return Written(gen, sections, peak, loaded, reader.engine, parts.chat)
+
+
+def render(written: Written, task: Task, read: ReadOptions, checked: CheckedRead, setup: Setup) -> None:
+    """With ``--json``, the one JSON object on stdout (the text was not streamed); then, unless ``--quiet``, what
+    the read cost on stderr."""
+    from kvcli.cli.render import reading_summary
+    from kvcli.io.report import dumps, print_result, stderr_console
+
+    gen, engine = written.gen, written.engine
+    if read.json_out:
         print_result(dumps({
-            "summary" if command == "summarize" else "answer": (primer + gen.text).strip(),
+            "summary" if task.command == "summarize" else "answer": (task.instruction.answer_prefix + gen.text).strip(),
             "prompt_tokens": gen.prompt_tokens,
             "document_tokens": gen.document_tokens,
             "generated_tokens": gen.generated_tokens,
             "max_cache_tokens": gen.max_cache_tokens,
             "kv_cache_bytes": gen.kv_cache_bytes,
-            "kv_bits": bits,
-            "peak_memory_bytes": peak,
+            "kv_bits": checked.kv_bits,
+            "peak_memory_bytes": written.peak,
             "seconds": gen.seconds,
             "read_seconds": gen.read_seconds,
             "write_seconds": gen.write_seconds,
-            "model": loaded.name,
+            "model": written.loaded.name,
             "method": read.method,
-            "params": method_obj.settings(),
+            "params": checked.method.settings(),
             "cache": engine.budget,
             "block": engine.block,
             "one_shot": gen.one_shot,
             "recap_tokens": gen.recap_tokens,
-            "chat_template": parts.chat,
+            "chat_template": written.chat,
             "finish_reason": gen.finish_reason,
-            "no_repeat_ngram": repetition.no_repeat_ngram,
-            "repetition_penalty": repetition.penalty,
-            **({"section": section, "sections": [part.as_dict() for part in sections]} if command == "summarize"
-               else {}),
+            "no_repeat_ngram": checked.repetition.no_repeat_ngram,
+            "repetition_penalty": checked.repetition.penalty,
+            **({"section": task.section, "sections": [part.as_dict() for part in written.sections]}
+               if task.command == "summarize" else {}),
         }))
     if not setup.quiet:
-        stderr_console.print(reading_summary(gen, loaded, read.method, engine.budget, engine.block, peak),
-                             markup=False, highlight=False)
-    if gen.finish_reason == "interrupted":
-        raise typer.Exit(130)
+        stderr_console.print(reading_summary(gen, written.loaded, read.method, engine.budget, engine.block,
+                                             written.peak), markup=False, highlight=False)
+
+
+def row_settings(task: Task, read: ReadOptions, parts, engine_identity: dict, kv_bits: int) -> dict:
+    """What every ``--each`` row records as the settings that made it, and what ``--resume`` requires of the rows
+    it takes (:mod:`kvcli.io.identity`): what was asked, the model and engine, how the answer was written."""
+    instruction = task.instruction
+    return {**task.about, **engine_identity, "kv_bits": kv_bits, "instruction": instruction.text,
+            "cue": instruction.cue, "answer_prefix": instruction.answer_prefix, "chat_template": parts.chat,
+            "max_new_tokens": read.max_new_tokens, "temperature": read.temperature, "seed": read.seed,
+            "one_shot": read.one_shot, "probe": read.probe, "recap": read.recap, "stop": read.stop,
+            "no_repeat_ngram": read.no_repeat_ngram, "repetition_penalty": read.repetition_penalty,
+            "section": task.section, "combine": task.combine}
 
 
 def claim_rows(ctx: typer.Context, source: str, setup: Setup, read: ReadOptions, main: bool) -> None:
@@ -318,30 +378,29 @@ def claim_rows(ctx: typer.Context, source: str, setup: Setup, read: ReadOptions,
         ctx.with_resource(hold_file(read.rows, "--rows"))
 
 
-def each_document(command: str, documents: list, reader, parts, instruction, setup: Setup, read: ReadOptions,
-                  ranks, settings: dict, section: int = 0, combine: bool = False) -> None:
+def each_document(documents: list, reader, parts, task: Task, setup: Setup, read: ReadOptions, ranks,
+                  settings: dict) -> None:
     """``--each``: every document read with a fresh cache and written about; one JSON row per document, which
-    records ``settings`` (what made it) in ``--rows``; ``section`` and ``combine``: summarize's sections."""
+    records ``settings`` (what made it) in ``--rows``."""
     from kvcli.io.corpus import run_corpus
     from kvcli.io.identity import rows_identity
     from kvcli.io.report import DocumentProgress, dumps, print_result, stderr_console
     from kvcli.reading.reader import document_tokens
 
     tokenizer = reader.tokenizer
-    primer = instruction.answer_prefix
+    primer = task.instruction.answer_prefix
     to_stdout = read.rows is None
     progress = DocumentProgress(len(documents), enabled=not setup.quiet)
 
     def process(index: int, doc) -> tuple[dict, bool]:
         progress.start(Path(doc.name).name)
-        gen, sections = write_about(reader, parts, instruction, document_tokens([doc], tokenizer), read, section,
-                                    combine)
+        gen, sections = write_about(reader, parts, task, document_tokens([doc], tokenizer), read)
         progress.done()
         return {"tokens": gen.document_tokens, "text": (primer + gen.text).strip(), "prompt_tokens": gen.prompt_tokens,
                 "generated_tokens": gen.generated_tokens, "finish_reason": gen.finish_reason,
                 "one_shot": gen.one_shot, "max_cache_tokens": gen.max_cache_tokens,
                 "kv_cache_bytes": gen.kv_cache_bytes, "kv_bits": reader.engine.kv_bits,
-                "seconds": gen.seconds, **({"sections": len(sections)} if command == "summarize" else {})
+                "seconds": gen.seconds, **({"sections": len(sections)} if task.command == "summarize" else {})
                 }, gen.finish_reason != "interrupted"
 
     def show(row: dict) -> None:
@@ -351,7 +410,7 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
         with progress:
             job = run_corpus(documents, process, rows_path=read.rows, resume=read.resume, ranks=ranks,
                              on_row=show if to_stdout and not ranks.distributed else None,
-                             identity=rows_identity(command, **settings), warn=setup.say)
+                             identity=rows_identity(task.command, **settings), warn=setup.say)
     finally:
         ranks.close()
     if not ranks.main:
@@ -363,8 +422,8 @@ def each_document(command: str, documents: list, reader, parts, instruction, set
     tokens = sum(row.get("prompt_tokens", 0) + row.get("generated_tokens", 0) for row in fresh)
     if not setup.quiet:
         seconds = max(job.seconds, 1e-9)
-        stderr_console.print(f"{command}: {len(fresh):,} documents ({job.resumed:,} resumed) on {ranks.world_size} "
-                             f"rank{'s' if ranks.distributed else ''} in {job.seconds:.1f} s · "
+        stderr_console.print(f"{task.command}: {len(fresh):,} documents ({job.resumed:,} resumed) on "
+                             f"{ranks.world_size} rank{'s' if ranks.distributed else ''} in {job.seconds:.1f} s · "
                              f"{len(fresh) / seconds:.3f} documents/s · {tokens / seconds:,.0f} tokens/s",
                              markup=False, highlight=False)
     if job.interrupted:
@@ -406,8 +465,8 @@ def summarize(
         instruction = dataclasses.replace(TEMPLATES[name], answer_prefix=read.answer_prefix)
     # The default summary is the sections' own summaries in order; another instruction is applied to them.
     combine = prompt is not None or (template or "summary") != "summary" or bool(read.answer_prefix)
-    read_and_write(ctx, "summarize", source, instruction, setup, read,
-                   {"prompt": prompt} if prompt is not None else {"template": template or "summary"}, section, combine)
+    about = {"prompt": prompt} if prompt is not None else {"template": template or "summary"}
+    read_and_write(ctx, source, Task("summarize", instruction, about, section, combine), setup, read)
 
 
 @with_reading(max_new_tokens=128, repetition=ANSWER_REPETITION, recap=RECAP_TOKENS)
@@ -429,5 +488,5 @@ def ask(
 
     if not question.strip():
         raise UsageError("the question is empty")
-    read_and_write(ctx, "ask", source, question_instruction(question, read.answer_prefix), setup, read,
-                   {"question": question})
+    read_and_write(ctx, source, Task("ask", question_instruction(question, read.answer_prefix), {"question": question}),
+                   setup, read)

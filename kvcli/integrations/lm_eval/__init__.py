@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import lm_eval.models  # noqa: F401 - lm-eval fills its registry with the built-in models only when it is empty
 import torch
@@ -37,67 +38,41 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from kvcli.engine.engine import Engine
-from kvcli.errors import BudgetError, KvcliError, UsageError
+from kvcli.errors import KvcliError, UsageError
+from kvcli.integrations.lm_eval.args import ModelArgs
 from kvcli.io.report import warn
 from kvcli.io.text import leading_special_tokens
-from kvcli.methods import make_method
-from kvcli.models.load import DEFAULT_MODEL, load_model
+from kvcli.models.load import DEFAULT_MODEL
 from kvcli.reading.generate import Generation
 from kvcli.reading.prompts import PromptParts, stop_token_ids
 from kvcli.reading.reader import Reader, one_shot_limit
 
-#: Bits per key and value element of the cache: 16 (the model's precision), 8, 4 or 2 (kvcli.kv.quant).
-KV_BITS = (16, 8, 4, 2)
 #: Keys of ``gen_kwargs`` that generation honours; lm-eval tasks may pass others (top_p), which are ignored.
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature")
 
 
-def _whole(name: str, value: int | str, minimum: int) -> int:
-    """A whole-number model_arg (lm-eval hands over digits as ints already, anything else as text)."""
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{name} must be a whole number, not {value!r}") from None
-    if number < minimum:
-        raise UsageError(f"{name} must be at least {minimum}, not {number}")
-    return number
+@dataclass(frozen=True)
+class GenerationArgs:
+    """What a ``generate_until`` request's ``gen_kwargs`` ask: stop strings, how many new tokens at most, and the
+    sampling temperature (0: greedy, unless ``do_sample``)."""
 
+    until: list[str]
+    max_new: int
+    temperature: float
 
-def _block(value: int | str) -> int | None:
-    """``block``: tokens per forward pass, or ``auto`` (None: the engine's default for the device)."""
-    if str(value).strip().lower() == "auto":
-        return None
-    try:
-        block = int(value)
-    except ValueError:
-        raise UsageError(f"block must be a number of tokens or auto, not {value!r}") from None
-    if block < 1:
-        raise UsageError(f"block must be at least 1 token, not {block}")
-    return block
-
-
-def _device(value: str | None) -> str:
-    """The device to load on. lm-eval's command line passes ``cuda:0`` unless told otherwise; where CUDA is
-    missing that default becomes kvcli's ``auto``, as lm-eval's own Hugging Face model treats it."""
-    device = str(value or "auto")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        warn(f"device {device} is not available here (lm-eval passes cuda:0 by default): using the CPU")
-        return "auto"
-    return device
-
-
-def _one_shot(value: bool | str | None) -> bool | None:
-    """``one_shot``: read a context in one forward pass (true), always in blocks (false) or by size (auto)."""
-    if value is None or isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("auto", "none"):
-        return None
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no"):
-        return False
-    raise UsageError(f"one_shot must be true, false or auto, not {value!r}")
+    @classmethod
+    def read(cls, gen_kwargs: dict, max_gen_toks: int, warned: set[str]) -> GenerationArgs:
+        """``gen_kwargs`` as lm-eval passes them; ``max_gen_toks`` (the model's) when the request sets none. A key
+        generation does not honour is said once per model (``warned``: the keys already said)."""
+        ignored = sorted(set(gen_kwargs) - set(GEN_KWARGS) - warned)
+        if ignored:
+            warned.update(ignored)
+            warn(f"kvcli ignores gen_kwargs {', '.join(ignored)} (it honours {', '.join(GEN_KWARGS)})")
+        until = gen_kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(gen_kwargs.get("max_gen_toks", max_gen_toks))
+        temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
+        return cls(until, max_new, temperature)
 
 
 @register_model("kvcli")
@@ -116,27 +91,16 @@ class KvcliLM(TemplateLM):
                  pretrained: str | None = None, batch_size: int | str | None = None,
                  max_batch_size: int | None = None, **options) -> None:
         super().__init__()
-        # Everything the user typed is checked before the model loads (seconds to minutes).
-        bits = _whole("kv_bits", kv_bits, 1)
-        if bits not in KV_BITS:
-            raise UsageError(f"kv_bits={kv_bits}: must be 16, 8, 4 or 2 (bits per cached key and value element)")
-        budget = _whole("cache", cache, 1)
-        block_size = _block(block)
-        self.one_shot = _one_shot(one_shot)
-        self.max_gen_toks = _whole("max_gen_toks", max_gen_toks, 1)
-        self.seed = _whole("seed", seed, 0)
-        method_obj = make_method(str(method), options)
-        loaded = load_model(str(pretrained or model), device=_device(device), dtype=str(dtype))
-        try:
-            self.engine = Engine(loaded.model, method_obj, budget, block=block_size, warn=warn, kv_bits=bits)
-        except BudgetError as exc:
-            raise UsageError(exc.for_flag("cache")) from None
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self._device = loaded.device
+        args = ModelArgs(model=str(pretrained or model), method=method, cache=cache, block=block, kv_bits=kv_bits,
+                         device=device, dtype=dtype, one_shot=one_shot, max_gen_toks=max_gen_toks, seed=seed,
+                         options=options).validate()  # before the model loads (seconds to minutes)
+        self.one_shot, self.max_gen_toks, self.seed = args.one_shot, args.max_gen_toks, args.seed
+        self.loaded, self.engine = args.load()
+        self.tokenizer = self.loaded.tokenizer
+        self._device = self.loaded.device
         #: What kvcli puts before every document (a BOS, or nothing): read before every context too.
         self.lead = leading_special_tokens(self.tokenizer)
-        self.stop_ids = stop_token_ids(self.tokenizer, loaded.model)
+        self.stop_ids = stop_token_ids(self.tokenizer, self.loaded.model)
         self._warned_kwargs: set[str] = set()
 
     # --- what TemplateLM asks of a model ---------------------------------------------------------
@@ -160,26 +124,12 @@ class KvcliLM(TemplateLM):
         return self.loaded.name.replace("/", "__")
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """lm-eval's ``--apply_chat_template``: the conversation as the tokenizer's chat template writes it.
-
-        As lm-eval's Hugging Face model does: without ``add_generation_prompt`` the last (assistant) message is
-        continued rather than closed, and a template that refuses a system turn gets the conversation without
-        it. The text keeps the template's special tokens (``<|im_start|>``), which :meth:`tok_encode` parses.
-        """
-        from jinja2.exceptions import TemplateError
-
+        """lm-eval's ``--apply_chat_template``: the conversation as the tokenizer's chat template writes it
+        (:func:`chat_text`), keeping the template's special tokens (``<|im_start|>``), which :meth:`tok_encode`
+        parses."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UsageError(f"{self.loaded.name} has no chat template: run without --apply_chat_template")
-
-        def render(history: list[dict[str, str]]) -> str:
-            return self.tokenizer.apply_chat_template(history, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=not add_generation_prompt)
-
-        try:
-            return render(chat_history)
-        except TemplateError:
-            return render([message for message in chat_history if message["role"] != "system"])
+        return chat_text(self.tokenizer, chat_history, add_generation_prompt)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """Token ids of a piece of text; special tokens only when asked (contexts get them when read)."""
@@ -210,27 +160,13 @@ class KvcliLM(TemplateLM):
 
     def score_continuation(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """Log-probability (nats) of ``continuation`` after ``context`` read into a compressed cache, and
-        whether greedy decoding would have written it. The continuation runs in blocks after the context:
-        its own tokens see each other exactly, and the cache only as the method left it."""
+        whether greedy decoding would have written it (:func:`continuation_logprob`)."""
         if not context:
             raise KvcliError("a loglikelihood request needs a context (lm-eval gives the prefix token)")
         if not continuation:
             return 0.0, True
         cache, hidden = self._read(context, len(continuation))
-        engine = self.engine
-        predictors = [hidden]
-        last = len(continuation) - 1  # the last token predicts nothing that is scored: it is never run
-        for start in range(0, last, engine.block):
-            ids = torch.tensor([continuation[start:min(start + engine.block, last)]], dtype=torch.long)
-            predictors.append(engine.forward(cache, ids))
-        greedy = [True]
-
-        def check(logprobs: torch.Tensor, targets: torch.Tensor) -> None:
-            greedy[0] = greedy[0] and bool((logprobs.argmax(dim=-1) == targets).all())
-
-        targets = torch.tensor(continuation, dtype=torch.long)
-        nll = engine.token_nll(torch.cat(predictors), targets, on_logits=check)
-        return -float(nll.sum()), greedy[0]
+        return continuation_logprob(self.engine, cache, hidden, continuation)
 
     # --- loglikelihood_rolling --------------------------------------------------------------------
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
@@ -267,25 +203,53 @@ class KvcliLM(TemplateLM):
 
     def generate(self, context: str, gen_kwargs: dict) -> str:
         """Text written after ``context`` read into a compressed cache, cut before the first ``until`` string."""
-        ignored = sorted(set(gen_kwargs) - set(GEN_KWARGS) - self._warned_kwargs)
-        if ignored:
-            self._warned_kwargs.update(ignored)
-            warn(f"kvcli ignores gen_kwargs {', '.join(ignored)} (it honours {', '.join(GEN_KWARGS)})")
-        until = gen_kwargs.get("until") or []
-        until = [until] if isinstance(until, str) else list(until)
-        max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-        temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
-        reader = Reader(self.engine, self.tokenizer, stop_ids=self.stop_ids, stop=until, temperature=temperature,
-                        seed=self.seed)
+        asked = GenerationArgs.read(gen_kwargs, self.max_gen_toks, self._warned_kwargs)
+        reader = Reader(self.engine, self.tokenizer, stop_ids=self.stop_ids, stop=asked.until,
+                        temperature=asked.temperature, seed=self.seed)
         ids = self.tok_encode(context)
         if not ids:
             ids = [self.prefix_token_id]
-        cache, hidden = self._read(ids, max_new)
+        cache, hidden = self._read(ids, asked.max_new)
         result = Generation()
-        reader.write(cache, hidden, result, max_new)
+        reader.write(cache, hidden, result, asked.max_new)
         if result.finish_reason == "interrupted":  # the reader stops quietly on Ctrl-C; lm-eval must stop too
             raise KeyboardInterrupt
         return result.text
+
+
+def chat_text(tokenizer, chat_history: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    """The conversation as the tokenizer's chat template writes it, as lm-eval's Hugging Face model does: without
+    ``add_generation_prompt`` the last (assistant) message is continued rather than closed, and a template that
+    refuses a system turn gets the conversation without it."""
+    from jinja2.exceptions import TemplateError
+
+    def render(history: list[dict[str, str]]) -> str:
+        return tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=not add_generation_prompt)
+
+    try:
+        return render(chat_history)
+    except TemplateError:
+        return render([message for message in chat_history if message["role"] != "system"])
+
+
+def continuation_logprob(engine: Engine, cache, hidden: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
+    """Log-probability (nats) of ``continuation`` against a ``cache`` that holds its context (``hidden``: the last
+    context token's hidden state), and whether greedy decoding would have written it. The continuation runs in
+    blocks: its own tokens see each other exactly, and the cache only as the method left it."""
+    predictors = [hidden]
+    last = len(continuation) - 1  # the last token predicts nothing that is scored: it is never run
+    for start in range(0, last, engine.block):
+        ids = torch.tensor([continuation[start:min(start + engine.block, last)]], dtype=torch.long)
+        predictors.append(engine.forward(cache, ids))
+    greedy = [True]
+
+    def check(logprobs: torch.Tensor, targets: torch.Tensor) -> None:
+        greedy[0] = greedy[0] and bool((logprobs.argmax(dim=-1) == targets).all())
+
+    targets = torch.tensor(continuation, dtype=torch.long)
+    nll = engine.token_nll(torch.cat(predictors), targets, on_logits=check)
+    return -float(nll.sum()), greedy[0]
 
 
 def main() -> None:
