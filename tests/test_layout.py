@@ -126,3 +126,20 @@ def test_the_package_root_holds_only_the_front_door_and_its_folders():
     assert modules == ["__init__.py", "__main__.py", "errors.py"]
     folders = sorted(path.name for path in ROOT.iterdir() if (path / "__init__.py").is_file())
     assert set(folders) == set(LAYERS) - {"errors", "__init__", "__main__"}
+
+
+#: The longest a function (def to its last line, docstring included) and a class may be.
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 80, 150
+
+
+def test_no_function_over_80_lines_and_no_class_over_150():
+    """A unit that outgrows a screen or two mixes concerns (issue #52): split it by concern, not by count."""
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            limit = (MAX_CLASS_LINES if isinstance(node, ast.ClassDef)
+                     else MAX_FUNCTION_LINES if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None)
+            if limit and node.end_lineno - node.lineno + 1 > limit:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                            f"({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
