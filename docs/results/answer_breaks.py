@@ -1,4 +1,5 @@
-"""Where a pass-key answer breaks: the two diagnostics of docs/results.md ("Where the answer breaks").
+"""Where a pass-key answer breaks: the two diagnostics of
+docs/notes/2026-11-25-ask-24k-streamed.md ("Where the answer breaks").
 
     python docs/results/answer_breaks.py forced BOOK METHODS DEPTH_INDEX [TEXT]
     python docs/results/answer_breaks.py graft BOOK DEPTH_INDEX METHOD:LAYERS[,METHOD:LAYERS] ...

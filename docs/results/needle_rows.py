@@ -9,8 +9,8 @@ Usage:
   the tuning and held-out books, with the two-sided sign test on the haystacks only one frame answered;
   ``--frame current --tuning`` breaks that file's current-frame rows of the tuning books down instead.
 
-The tables of results.md, "Item 1's 24k table with the current frame" and "The frame compared on 134 tuning
-haystacks", are what this prints for the files named there.
+The tables of docs/notes/2026-11-27-ask-frame.md, "Item 1's 24k table with the current frame" and "The frame
+compared on 134 tuning haystacks", are what this prints for the files named there.
 """
 
 from __future__ import annotations

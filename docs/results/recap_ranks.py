@@ -1,4 +1,5 @@
-"""Where the needle ranks by the recap's score, layer by layer (docs/results.md, "Two changes to the recap").
+"""Where the needle ranks by the recap's score, layer by layer (docs/notes/2026-11-26-ask-recap.md,
+"Two changes to the recap").
 
     python docs/results/recap_ranks.py BOOK [--trials 2] [--depths 0.2,0.5,0.8] [--method snapkv]
 

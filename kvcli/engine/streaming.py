@@ -277,7 +277,7 @@ def score_sliding(engine: BlockScorer, token_chunks: Iterable[list[int] | torch.
 
     ``lead`` (the tokenizer's BOS, when the stream starts with it) begins every window after the
     first too, read but never scored, so that each window starts as a document does: a model
-    trained with a BOS in front (Gemma) scores much worse without it (docs/results.md).
+    trained with a BOS in front (Gemma) scores much worse without it (docs/notes/2026-11-23-gemma-3-270m.md).
     """
     if stride < 1 or context < stride or context - len(lead) < 2:
         raise ValueError("need 1 <= stride <= context, and room for two tokens after the lead")

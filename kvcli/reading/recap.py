@@ -6,7 +6,8 @@ block, the tokens that the question's queries single out in the middle layers, a
 of them with ``radius`` neighbours on each side: token ids, a bounded number, never keys or values.
 After the document the reader streams those passages once more, in stream order, before the
 question. Re-read, they enter every layer and head of the cache with the context of their passage,
-where compression may have kept them in a few heads only (the measurements are in docs/results.md).
+where compression may have kept them in a few heads only (the measurements are in
+docs/notes/2026-11-26-ask-recap.md).
 Gathering the relevant tokens and recomputing their keys and values is the idea of REFORM (Song et al.,
 2025, "Compress, Gather, and Recompute"); the scores here are the method's own probe attention, so a
 method that scores nothing (StreamingLLM) gets no recap.
@@ -17,7 +18,7 @@ The rules, and why:
   third to five sixths of the depth) pays it, summed over the question's queries. The share is taken
   over the block's own tokens, so every token is scored once, at first sight, against the same
   question, and blocks compare; the bottom layers' question attention is spread or goes to frequent
-  words, the top layers' to the answer's format (docs/results.md, where a lost key survives).
+  words, the top layers' to the answer's format (docs/notes/2026-11-25-ask-24k-streamed.md, where a lost key survives).
 * A peak is the best token within ``radius`` of it, so passages do not repeat one another.
 * The block's last ``radius`` tokens are never peaks: the probe sits right after them, and nearness
   alone draws its attention there. This also gives every peak its right-hand neighbours within its
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the defaults below without it
     import torch
 
-#: What ``kvcli ask`` re-reads at most by default: half the default cache of 1,024 (docs/results.md).
+#: What ``kvcli ask`` re-reads at most by default: half the default cache of 1,024 (docs/notes/2026-11-26-ask-recap.md).
 RECAP_TOKENS = 512
 #: Tokens each side of a peak that its passage keeps: a short sentence around a word the question finds.
 RADIUS = 8
