@@ -122,3 +122,79 @@ def test_a_ruler_trial_answers_what_ask_answers_on_its_text(invoke, tiny_model_d
     assert asked["answer"][len(sample.answer_prefix):].strip() == trial["answer"]
     assert (asked["prompt_tokens"], asked["one_shot"]) == (trial["prompt_tokens"], trial["one_shot"])
     assert trial["one_shot"] == (length < 512)
+
+
+def test_a_ratio_keeps_what_kvpress_keeps_of_the_context_and_the_question_whole():
+    from kvcli.eval.ruler import kept_tokens
+
+    # kvpress 0.5.5's compute_n_kept: max(1, int(k_len * (1 - compression_ratio))), truncated as floats truncate
+    assert [kept_tokens(1000, r) for r in (0.5, 0.75, 0.875, 0.9)] == [500, 250, 125, 99]
+    assert kept_tokens(3, 0.875) == 1
+
+
+def test_ratios_give_each_trial_kvpress_budget_and_resume_only_their_own_rows(invoke, tiny_model_dir, smol_tokenizer,
+                                                                            ruler_book, tmp_path):
+    from kvcli.reading.prompts import build_prompt, question_instruction
+
+    rows = tmp_path / "rows.jsonl"
+    common = [str(ruler_book), "--tasks", "niah_single_1", "--lengths", "400", "--methods", "full,snapkv",
+              "--samples", "2", "--block", "64", "-n", "4", *tiny(tiny_model_dir)]
+    result = invoke("ruler", *common, "--ratios", "0.5,0.75", "--json", "--rows", str(rows))
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["cache"], data["ratios"]) == (None, [0.5, 0.75])
+    book = Book(ruler_book.read_text())
+    for trial in data["trials"]:
+        sample = make_sample(smol_tokenizer, book, "niah_single_1", 400, trial["index"])
+        parts = build_prompt(smol_tokenizer, question_instruction(sample.question, sample.answer_prefix))
+        context = len(parts.prefix) + len(sample.doc)  # what kvpress compresses; the question follows it whole
+        assert trial["cache"] == int(context * (1 - trial["ratio"])) + len(parts.suffix)
+        assert trial["one_shot"] and trial["prompt_tokens"] == context + len(parts.suffix)
+        if trial["method"] == "snapkv":  # the read keeps the budget; the answer's 4 tokens join it as written
+            assert trial["cache"] <= trial["max_cache_tokens"] <= trial["cache"] + 4
+    cells = [(row["task"], row["ratio"], row["method"]) for row in data["scores"]]
+    assert cells == [("niah_single_1", 0.5, "full"), ("niah_single_1", 0.5, "snapkv"), ("niah_single_1", 0.75, "full"),
+                     ("niah_single_1", 0.75, "snapkv"), ("average", 0.5, "full"), ("average", 0.5, "snapkv"),
+                     ("average", 0.75, "full"), ("average", 0.75, "snapkv")]
+    assert [json.loads(line)["ratio"] for line in rows.read_text().splitlines()] == [0.5, 0.5, 0.75, 0.75] * 2
+    # a resume takes each ratio's own rows: a new ratio is run, never read from another ratio's rows
+    again = invoke("ruler", *common, "--ratios", "0.75,0.875", "--json", "--rows", str(rows), "--resume")
+    assert again.exit_code == 0, again.stderr
+    trials = json.loads(again.stdout)["trials"]
+    assert [t for t in trials if t["ratio"] == 0.75] == [t for t in data["trials"] if t["ratio"] == 0.75]
+    assert all(t["cache"] < min(d["cache"] for d in data["trials"] if d["ratio"] == 0.75)
+               for t in trials if t["ratio"] == 0.875)
+    assert len(rows.read_text().splitlines()) == 8 + 4
+    # nor are they a fixed --cache run's rows
+    cached = invoke("ruler", *common, "--cache", "64", "--rows", str(rows), "--resume")
+    assert cached.exit_code == 1 and "its cache is None, this run's 64" in cached.stderr
+    assert len(cached.stderr.strip().splitlines()) == 1
+    text = invoke("ruler", *common, "--ratios", "0.5", "--methods", "snapkv")
+    assert text.exit_code == 0, text.stderr
+    assert "ratio" in text.stdout.splitlines()[0] and "0.5" in text.stdout.splitlines()[2]
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--ratios", "0.5", "--cache", "512"], "give one of them"),
+    (["--ratios", "1"], "less than 1"),
+    (["--ratios", "0"], "greater than 0"),
+    (["--ratios", "0.5,x"], "--ratios"),
+    (["--ratios", "0.5", "--no-one-shot"], "give --cache"),
+])
+def test_bad_ratios_are_one_line_before_any_model(invoke, ruler_book, arguments, message):
+    result = invoke("ruler", str(ruler_book), *arguments, "--model", "/nonexistent")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    (["--lengths", "900", "--ratios", "0.5"], "a streamed read needs a fixed --cache"),  # past the 512 context
+    (["--lengths", "400", "--ratios", "0.875", "--methods", "streamingllm", "-o", "streamingllm.sinks=200"],
+     "choose a longer length or a lower ratio"),
+])
+def test_a_ratio_refuses_a_streamed_prompt_and_a_budget_too_small_in_one_line(invoke, tiny_model_dir, ruler_book,
+                                                                               arguments, message):
+    result = invoke("ruler", str(ruler_book), "--tasks", "niah_single_1", "--samples", "1", "-n", "4", *arguments,
+                    *tiny(tiny_model_dir))
+    assert result.exit_code == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr

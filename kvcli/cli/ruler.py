@@ -16,6 +16,7 @@ from kvcli.cli.options import (
     TrialRowsOpt,
     check_at_least,
     check_cache,
+    explicit,
     method_options,
     parse_kv_bits,
     parse_read_block,
@@ -31,6 +32,19 @@ TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_
               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 
 
+def ruler_ratios(text: str | None, cache_given: bool, one_shot: bool | None) -> list[float] | None:
+    """``--ratios``: kvpress's compression ratios, each in (0, 1), instead of an explicit ``--cache``."""
+    if text is None:
+        return None
+    if cache_given:
+        raise UsageError("--ratios and --cache both set the budget: give one of them")
+    from kvcli.eval.ruler import check_ratios
+
+    ratios = split_list(text, float, "--ratios")
+    check_ratios(ratios, one_shot)
+    return ratios
+
+
 def ruler_length(item: str) -> int:
     """A length in tokens: ``4096``, or ``4k`` read as RULER writes its lengths (4k = 4,096, 16k = 16,384)."""
     item = item.strip().lower()
@@ -39,6 +53,7 @@ def ruler_length(item: str) -> int:
 
 @with_setup
 def ruler(
+    ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="A book (text file, folder or -): the haystack of the essay tasks "
                                           "and the words of keys and of cwe.")],
     tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated tasks (all: " + ",".join(TASK_NAMES)
@@ -50,6 +65,10 @@ def ruler(
     samples: Annotated[int, typer.Option("--samples", help="Samples per task and length (each method reads the "
                                          "same ones).")] = 5,
     cache: CacheOpt = 1024,
+    ratios: Annotated[str | None, typer.Option("--ratios", help="Comma-separated compression ratios instead of "
+                                               "--cache, as kvpress's compression_ratio: each trial keeps what "
+                                               "kvpress keeps of its prompt (one-shot reads only; docs/ruler.md).",
+                                               show_default=False)] = None,
     kv_bits: KvBitsOpt = "16",
     block: ReadBlockOpt = "auto",
     option: MethodsOptionOpt = None,
@@ -90,18 +109,19 @@ def ruler(
     block_size = parse_read_block(block)
     bits = parse_kv_bits(kv_bits)
     check_cache(cache)
+    ratio_list = ruler_ratios(ratios, explicit(ctx, "cache"), one_shot)
     per_method = method_options(method_list, option)
     if resume and rows is None:
         raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")
     if rows is not None:
         check_output(rows, "--rows")  # before the model loads
     documents = setup.documents(source)
-    _run(setup, documents, task_list, method_list, length_list, samples=samples, cache=cache, block=block_size,
-         seed=seed, max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe, options=per_method, bits=bits,
-         recap=recap, json_out=json_out, rows=rows, resume=resume)
+    _run(setup, documents, task_list, method_list, length_list, samples=samples, cache=cache, ratios=ratio_list,
+         block=block_size, seed=seed, max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe,
+         options=per_method, bits=bits, recap=recap, json_out=json_out, rows=rows, resume=resume)
 
 
-def _run(setup: Setup, documents, task_list, method_list, length_list, *, samples, cache, block, seed,
+def _run(setup: Setup, documents, task_list, method_list, length_list, *, samples, cache, ratios, block, seed,
          max_new_tokens, one_shot, probe, options, bits, recap, json_out, rows, resume) -> None:
     import hashlib
 
@@ -113,15 +133,16 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
     loaded = setup.load()
 
     def on_trial(trial, done, total) -> None:
-        setup.note(f"[{done}/{total}] {trial.task} {trial.length:,} {trial.method}: {trial.answer[:80]!r} "
+        at = "" if trial.ratio is None else f" ratio {trial.ratio:g}"
+        setup.note(f"[{done}/{total}] {trial.task} {trial.length:,}{at} {trial.method}: {trial.answer[:80]!r} "
                    f"(score {trial.score:.2f}, expected {' '.join(trial.outputs)}, {trial.seconds:.1f} s)")
 
     log = RulerLog(rows, resume, about={"model": loaded.name}, note=setup.note) if rows is not None else None
     try:
         result = run_ruler(loaded.model, loaded.tokenizer, book, task_list, method_list, lengths=length_list,
-                           samples=samples, budget=cache, block=block, seed=seed, max_new_tokens=max_new_tokens,
-                           one_shot=one_shot, probe=probe, options=options, kv_bits=bits, recap=recap,
-                           warn=setup.say, on_trial=on_trial, log=log,
+                           samples=samples, budget=cache, ratios=ratios, block=block, seed=seed,
+                           max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe, options=options,
+                           kv_bits=bits, recap=recap, warn=setup.say, on_trial=on_trial, log=log,
                            book_digest=hashlib.sha256(text.encode("utf-8")).hexdigest())
     except KeyboardInterrupt:
         if log is not None:
@@ -134,11 +155,17 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
 
 
 def score_table(scores: list[dict], model: str) -> str:
-    """The scores as plain text: one line per task, length and method, averages last."""
-    lines = [f"RULER on {model}: mean score (95% interval), samples", ""]
+    """The scores as plain text: one line per task, length (ratio and mean budget of a --ratios run) and method,
+    averages last."""
+    by_ratio = any(row["ratio"] is not None for row in scores)
+    head = "mean score (95% interval), samples"
+    if by_ratio:
+        head = "ratio (kvpress's compression_ratio), mean cache, " + head
+    lines = [f"RULER on {model}: {head}", ""]
     width = max(len(row["task"]) for row in scores)
     for row in scores:
         low, high = row["ci95"]
-        lines.append(f"{row['task']:<{width}}  {row['length']:>7,}  {row['method']:<14} {row['score']:6.1%} "
+        budget = f"  {row['ratio']:<5g} {row['cache']:>7,}" if by_ratio else ""
+        lines.append(f"{row['task']:<{width}}  {row['length']:>7,}{budget}  {row['method']:<14} {row['score']:6.1%} "
                      f"({low:.0%}-{high:.0%})  n={row['samples']}")
     return "\n".join(lines)

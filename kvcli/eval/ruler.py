@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvcli.errors import KvcliError, UsageError
+from kvcli.errors import BudgetError, KvcliError, UsageError
 from kvcli.eval.needle import (
     SENTENCE_END,
     excerpt_offset,
@@ -400,6 +400,8 @@ class Trial:
     one_shot: bool
     max_cache_tokens: int
     seconds: float
+    ratio: float | None = None  # kvpress's compression_ratio that sized the budget (None: a fixed --cache)
+    cache: int | None = None  # the budget the trial was given, tokens per layer
 
 
 @dataclass
@@ -408,26 +410,83 @@ class RulerResult:
     settings: dict = field(default_factory=dict)
 
     def scores(self) -> list[dict]:
-        """Rows ``{task, length, method, samples, score, ci95}`` in the order the grid ran, then per length and
-        method the average over tasks (``task`` "average"). ``ci95`` is the 95% Wilson interval of the mean
-        score, the score taken as a rate over the samples (exact for scores of 0 and 1, the single needles')."""
-        groups: dict[tuple, list[float]] = {}
+        """Rows ``{task, length, ratio, cache, method, samples, score, ci95}`` in the order the grid ran, then per
+        length, ratio and method the average over tasks (``task`` "average"). ``cache`` is the mean budget of the
+        trials (a ratio's differs per sample). ``ci95`` is the 95% Wilson interval of the mean score, the score
+        taken as a rate over the samples (exact for scores of 0 and 1, the single needles')."""
+        groups: dict[tuple, list[Trial]] = {}
         for t in self.trials:
-            groups.setdefault((t.task, t.length, t.method), []).append(t.score)
-        rows = [_row(task, length, method, scores) for (task, length, method), scores in groups.items()]
-        totals: dict[tuple, list[float]] = {}
-        for (_task, length, method), scores in groups.items():
-            totals.setdefault((length, method), []).extend(scores)
-        return rows + [_row("average", length, method, scores) for (length, method), scores in totals.items()]
+            groups.setdefault((t.task, t.length, t.ratio, t.method), []).append(t)
+        rows = [_row(task, group) for (task, *_), group in groups.items()]
+        totals: dict[tuple, list[Trial]] = {}
+        for (_task, *cell), group in groups.items():
+            totals.setdefault(tuple(cell), []).extend(group)
+        return rows + [_row("average", group) for group in totals.values()]
 
     def as_dict(self) -> dict:
         return {**self.settings, "scores": self.scores(), "trials": [asdict(t) for t in self.trials]}
 
 
-def _row(task: str, length: int, method: str, scores: list[float]) -> dict:
+def _row(task: str, trials: list[Trial]) -> dict:
+    scores = [t.score for t in trials]
+    caches = [t.cache for t in trials if t.cache is not None]
     low, high = wilson_interval(sum(scores), len(scores))  # type: ignore[arg-type] - a rate of partial successes
-    return {"task": task, "length": length, "method": method, "samples": len(scores),
-            "score": sum(scores) / len(scores), "ci95": [low, high]}
+    first = trials[0]
+    return {"task": task, "length": first.length, "ratio": first.ratio,
+            "cache": round(sum(caches) / len(caches)) if caches else None, "method": first.method,
+            "samples": len(scores), "score": sum(scores) / len(scores), "ci95": [low, high]}
+
+
+def kept_tokens(context: int, ratio: float) -> int:
+    """What a kvpress 0.5.5 press at ``compression_ratio`` ``ratio`` keeps of ``context`` tokens per layer: its
+    ``kvpress.utils.compute_n_kept``, ``max(1, int(context * (1 - ratio)))``, the same float expression so that
+    it truncates alike (``int(1000 * (1 - 0.9))`` is 99)."""
+    return max(1, int(context * (1 - ratio)))
+
+
+def ratio_budget(parts, sample: Sample, ratio: float) -> int:
+    """The budget of a trial at ``ratio``: what kvpress keeps of the context it compresses (the chat template's
+    opening and the document: ``parts.prefix`` and ``sample.doc``) plus the question after it, which kvpress
+    appends uncompressed (``parts.suffix``: ask's frame, RULER's question, the assistant's start, the prefix)."""
+    return kept_tokens(len(parts.prefix) + len(sample.doc), ratio) + len(parts.suffix)
+
+
+def check_ratios(ratios: Sequence[float], one_shot: bool | None) -> None:
+    """A ratio is a share of a prompt read in one shot: in (0, 1), and never with every prompt streamed."""
+    for ratio in ratios:
+        if not 0 < ratio < 1:
+            raise UsageError(f"--ratios {ratio}: a compression ratio is a share of the prompt removed, "
+                             "greater than 0 and less than 1")
+    if one_shot is False:
+        raise UsageError("--ratios sizes a one-shot read; --no-one-shot streams every prompt: give --cache instead")
+
+
+def check_one_shot(engine, tasks: Sequence[str], lengths: Sequence[int], max_new_tokens: int | None) -> None:
+    """Refuse a length whose prompts a ratio run could stream: a prompt holds at most its length less the task's
+    room for the answer, and the reader streams what exceeds :func:`kvcli.reading.reader.one_shot_limit`."""
+    from kvcli.reading.reader import one_shot_limit
+
+    for length in lengths:
+        for name in tasks:
+            task = TASKS[name]
+            limit = one_shot_limit(engine, min(task.answer_tokens, max_new_tokens or task.answer_tokens))
+            if length - task.reserve > limit:
+                raise UsageError(f"--ratios: {name} at {length:,} tokens would be streamed (one shot holds "
+                                 f"{limit:,} prompt tokens here); a streamed read needs a fixed --cache")
+
+
+def check_ratio_budget(built: dict, cache: int, ratio: float, sample: Sample) -> None:
+    """Every method's budget check (:func:`kvcli.engine.engine.check_budget`) on the budget a ratio gives a sample,
+    in one line that names the ratio and the sample."""
+    from kvcli.engine.engine import check_budget
+
+    for method in built.values():
+        try:
+            check_budget(method, cache)
+        except BudgetError as exc:
+            raise UsageError(f"--ratios {ratio}: {sample.task} sample {sample.index} at {sample.length:,} tokens "
+                             f"keeps {cache} tokens per layer, fewer than {exc.what} ({exc.need}): choose a longer "
+                             "length or a lower ratio") from None
 
 
 class RulerLog:
@@ -449,7 +508,7 @@ class RulerLog:
         self.run = as_json({**self.about, **run})
         done: dict[tuple, Trial] = {}
         for trial in resumed_trials(self.log, self.resume, "task", self.run, Trial, "ruler trial"):
-            done[(trial.task, trial.length, trial.index, trial.method)] = trial
+            done[(trial.task, trial.length, trial.index, trial.method, trial.ratio)] = trial
         if self.resume and self.note:
             self.note(f"took {len(done)} of {total} trials from {self.log.path}")
         return done
@@ -461,17 +520,19 @@ class RulerLog:
 
 def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Iterable[str], *,
               lengths: Iterable[int] = DEFAULT_LENGTHS, samples: int = DEFAULT_SAMPLES, budget: int = 1024,
-              block: int = 1024, seed: int = 0, max_new_tokens: int | None = None, one_shot: bool | None = None,
-              probe: bool = True, options: dict[str, dict] | None = None, kv_bits: int = 16, recap: int = 0,
+              ratios: Sequence[float] | None = None, block: int = 1024, seed: int = 0,
+              max_new_tokens: int | None = None, one_shot: bool | None = None, probe: bool = True,
+              options: dict[str, dict] | None = None, kv_bits: int = 16, recap: int = 0,
               warn: Callable[[str], None] | None = None, on_trial: Callable[[Trial, int, int], None] | None = None,
               log: RulerLog | None = None, book_digest: str = "") -> RulerResult:
     """Every sample of ``tasks`` x ``lengths`` read by every method as ``kvcli ask`` reads it (one shot when it
     fits the model's context, otherwise streamed with the question as probe, ``recap`` as ask's), graded by
-    :func:`recall`. ``max_new_tokens`` caps every task's own answer length (:attr:`Task.answer_tokens`)."""
+    :func:`recall`. ``max_new_tokens`` caps every task's own answer length (:attr:`Task.answer_tokens`).
+    ``ratios`` instead of ``budget``: each sample is read once per ratio, at the budget kvpress would keep of it
+    (:func:`ratio_budget`), and only in one shot."""
     from kvcli.engine.engine import Engine, check_budget
     from kvcli.methods import make_method
     from kvcli.reading.prompts import stop_token_ids
-    from kvcli.reading.reader import Reader
 
     tasks, methods, lengths = list(tasks), list(methods), list(lengths)
     for name in tasks:
@@ -480,44 +541,88 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
     if not tasks or not methods or not lengths or samples < 1:
         raise UsageError("the grid needs at least one task, method, length and sample")
     built = {name: make_method(name, (options or {}).get(name)) for name in methods}
-    for method in built.values():
-        check_budget(method, budget)
-    stop_ids = stop_token_ids(tokenizer, model)
-    result = RulerResult(settings={"cache": budget, "block": block, "seed": seed, "samples": samples,
+    if ratios:
+        check_ratios(ratios, one_shot)
+        if one_shot is None:
+            check_one_shot(Engine(model, make_method("full"), None, block=block), tasks, lengths, max_new_tokens)
+    else:
+        for method in built.values():
+            check_budget(method, budget)
+    result = RulerResult(settings={"cache": None if ratios else budget, "ratios": list(ratios) if ratios else None,
+                                   "block": block, "seed": seed, "samples": samples,
                                    "max_new_tokens": max_new_tokens, "one_shot": one_shot, "probe": probe,
                                    "kv_bits": kv_bits, "recap": recap, "frame": question_frame(tokenizer),
                                    "params": {name: m.settings() for name, m in built.items()}})
-    total = len(tasks) * len(lengths) * samples * len(methods)
+    levels: list[float | None] = list(ratios) if ratios else [None]
+    total = len(tasks) * len(lengths) * samples * len(levels) * len(methods)
     previous: dict[tuple, Trial] = {}
     if log is not None:
-        run = {key: value for key, value in result.settings.items() if key not in ("params", "samples")}
+        # A row's ratio is in its key, not in the run: a resume may add ratios, as it may add tasks or samples.
+        run = {key: value for key, value in result.settings.items() if key not in ("params", "samples", "ratios")}
         run.update(dtype=str(next(model.parameters()).dtype), book_sha256=book_digest)
         previous = log.open(run, total)
-    done = 0
+    reading = Reading(model, tokenizer, built, block, kv_bits, recap, one_shot, probe, warn,
+                      stop_token_ids(tokenizer, model))
     for length in lengths:
         for name in tasks:
             answer_tokens = min(TASKS[name].answer_tokens, max_new_tokens or TASKS[name].answer_tokens)
             for index in range(samples):
                 sample = make_sample(tokenizer, book, name, length, index, seed)
                 parts = build_prompt(tokenizer, question_instruction(sample.question, sample.answer_prefix))
-                for method in methods:
-                    trial = previous.get((name, length, index, method))
-                    if trial is not None and trial.outputs != sample.outputs:
-                        raise KvcliError(f"{RulerLog.FLAG}: {name} sample {index} at {length:,} expects "
-                                         f"{trial.outputs}, this run draws {sample.outputs}: run without --resume")
-                    if trial is None:
-                        engine = Engine(model, built[method], budget, block=block, warn=warn, kv_bits=kv_bits)
-                        reader = Reader(engine, tokenizer, stop_ids=stop_ids, recap=recap)
-                        started = time.perf_counter()
-                        gen = reader.run(parts, [sample.doc], answer_tokens, one_shot=one_shot, probe=probe)
-                        answer = gen.text.strip()
-                        trial = Trial(name, length, index, method, sample.outputs, answer,
-                                      recall(answer, sample.outputs), gen.prompt_tokens, gen.one_shot,
-                                      gen.max_cache_tokens, time.perf_counter() - started)
-                        if log is not None:
-                            log.add(trial)
-                    result.trials.append(trial)
-                    done += 1
-                    if on_trial:
-                        on_trial(trial, done, total)
+                for ratio in levels:
+                    cache = budget if ratio is None else ratio_budget(parts, sample, ratio)
+                    if ratio is not None:
+                        check_ratio_budget(built, cache, ratio, sample)
+                    for method in methods:
+                        trial = previous.get((name, length, index, method, ratio))
+                        if trial is None:
+                            trial = reading.trial(sample, parts, method, ratio, cache, answer_tokens)
+                            if log is not None:
+                                log.add(trial)
+                        else:
+                            check_resumed(trial, sample, cache)
+                        result.trials.append(trial)
+                        if on_trial:
+                            on_trial(trial, len(result.trials), total)
     return result
+
+
+def check_resumed(trial: Trial, sample: Sample, cache: int) -> None:
+    """A trial taken from ``--rows`` must be this run's: the same expected values and the same budget."""
+    if trial.outputs != sample.outputs:
+        raise KvcliError(f"{RulerLog.FLAG}: {sample.task} sample {sample.index} at {sample.length:,} expects "
+                         f"{trial.outputs}, this run draws {sample.outputs}: run without --resume")
+    if trial.cache != cache:
+        raise KvcliError(f"{RulerLog.FLAG}: {sample.task} sample {sample.index} at {sample.length:,} was read at a "
+                         f"budget of {trial.cache}, this run gives it {cache}: run without --resume")
+
+
+@dataclass
+class Reading:
+    """How every trial of a run is read: ``kvcli ask``'s reader on a fresh engine per trial."""
+
+    model: object
+    tokenizer: object
+    built: dict
+    block: int
+    kv_bits: int
+    recap: int
+    one_shot: bool | None
+    probe: bool
+    warn: Callable[[str], None] | None
+    stop_ids: set[int]
+
+    def trial(self, sample: Sample, parts, method: str, ratio: float | None, cache: int,
+              answer_tokens: int) -> Trial:
+        """One trial: ``sample`` read by ``method`` at a budget of ``cache`` tokens per layer, then graded."""
+        from kvcli.engine.engine import Engine
+        from kvcli.reading.reader import Reader
+
+        engine = Engine(self.model, self.built[method], cache, block=self.block, warn=self.warn, kv_bits=self.kv_bits)
+        reader = Reader(engine, self.tokenizer, stop_ids=self.stop_ids, recap=self.recap)
+        started = time.perf_counter()
+        gen = reader.run(parts, [sample.doc], answer_tokens, one_shot=self.one_shot, probe=self.probe)
+        answer = gen.text.strip()
+        return Trial(sample.task, sample.length, sample.index, method, sample.outputs, answer,
+                     recall(answer, sample.outputs), gen.prompt_tokens, gen.one_shot, gen.max_cache_tokens,
+                     time.perf_counter() - started, ratio, cache)
