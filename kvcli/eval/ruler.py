@@ -455,7 +455,7 @@ def check_ratios(ratios: Sequence[float], one_shot: bool | None) -> None:
     """A ratio is a share of a prompt read in one shot: in (0, 1), and never with every prompt streamed."""
     for ratio in ratios:
         if not 0 < ratio < 1:
-            raise UsageError(f"--ratios {ratio}: a compression ratio is a share of the prompt removed, "
+            raise UsageError(f"--ratios {ratio:g}: a compression ratio is a share of the prompt removed, "
                              "greater than 0 and less than 1")
     if one_shot is False:
         raise UsageError("--ratios sizes a one-shot read; --no-one-shot streams every prompt: give --cache instead")
@@ -484,7 +484,7 @@ def check_ratio_budget(built: dict, cache: int, ratio: float, sample: Sample) ->
         try:
             check_budget(method, cache)
         except BudgetError as exc:
-            raise UsageError(f"--ratios {ratio}: {sample.task} sample {sample.index} at {sample.length:,} tokens "
+            raise UsageError(f"--ratios {ratio:g}: {sample.task} sample {sample.index} at {sample.length:,} tokens "
                              f"keeps {cache} tokens per layer, fewer than {exc.what} ({exc.need}): choose a longer "
                              "length or a lower ratio") from None
 
