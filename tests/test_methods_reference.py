@@ -281,8 +281,8 @@ def test_snapkv_keeps_the_pooled_window_votes(kernel, pooling, sinks, recent):
 def test_a_layer_shared_selection_keeps_one_token_set_per_layer(name):
     """``share=layer`` (beyond the papers): a layer's KV heads keep the same tokens, those of the highest
     score any of its heads gives them, and so hold the same positions."""
-    options = {"window": 4, "kernel": 5, "share": "layer"}
-    method = make_method(name, options)
+    options = {"window": 4, "kernel": 5, "share": "layer", **({"beta": 5} if name == "pyramidkv" else {})}
+    method = make_method(name, options)  # beta 5: a pyramid on 2 layers of 20 tokens (beta 20 needs 24)
     assert not method.selects_per_head() and make_method(name, {}).selects_per_head()
     budgets = method.layer_budgets(20, 2) if name == "pyramidkv" else [20]
     reference = SnapKVRef(len(budgets), 2, window=4, kernel=5, pooling="max", sinks=0, recent=None, share="layer")
@@ -292,6 +292,13 @@ def test_a_layer_shared_selection_keeps_one_token_set_per_layer(name):
 
 def test_pyramidkv_default_kernel_is_snapkv_default():
     assert make_method("pyramidkv", {}).kernel == make_method("snapkv", {}).kernel == 15
+
+
+def test_pyramidkv_defaults_are_the_papers():
+    """The paper's settings (beta 20, alpha 8) are pyramidkv's defaults; beta 5 is the pyramidkv-beta5 preset."""
+    method = make_method("pyramidkv", {})
+    assert (method.beta, method.window, method.recent_tokens(), method.sinks) == (20.0, 8, 8, 0)
+    assert method.layer_budgets(100, 4) == make_method("pyramidkv", {"beta": 20}).layer_budgets(100, 4)
 
 
 def test_pyramidkv_selects_like_snapkv_under_layer_budgets():
@@ -448,8 +455,8 @@ def test_a_reused_method_instance_keeps_no_state_of_its_own(tiny, name):
     ("snapkv", {"kernel": 4}, 64),
     ("snapkv", {"pooling": "mean"}, 64),
     ("snapkv", {"share": "all"}, 64),
-    ("pyramidkv", {}, 12),  # 8 kept + beta 5: the top layer would select nothing
-    ("pyramidkv", {"beta": 20}, 27),
+    ("pyramidkv", {}, 27),  # 8 kept + beta 20 (the default): the top layer would select nothing
+    ("pyramidkv", {"beta": 5}, 12),
     ("pyramidkv", {"beta": 0.5}, 128),
     ("h2o", {"sinks": 4, "recent": 60}, 63),
     ("tova", {"sinks": 8}, 7),

@@ -146,8 +146,8 @@ def test_presets_listing(invoke, config_home):
     data = json.loads(invoke("presets", "--json").stdout)
     rows = {row["name"]: row for row in data}
     assert rows["smollm2-135m"]["kind"] == "model" and rows["treekv-1024"]["kind"] == "method"
-    assert rows["pyramidkv-paper"]["settings"]["options"] == {"beta": 20.0, "window": 8, "kernel": 7,
-                                                               "pooling": "max"}
+    assert rows["pyramidkv-beta5"]["kind"] == "method"
+    assert rows["pyramidkv-beta5"]["settings"]["options"] == {"beta": 5.0}
     assert all(row["path"].endswith(".toml") and row["source"] == "built-in" for row in data)
     text = invoke("presets").stdout
     assert "model presets:" in text and "method presets:" in text and "treekv-1024" in text

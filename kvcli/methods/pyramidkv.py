@@ -15,13 +15,16 @@ arithmetic) and rounded by largest remainder (floors, then one more token to the
 largest fractional parts, ties to the lower layer): the rounded budgets still sum to exactly
 ``k_total``, stay within one token of the real values and never increase from bottom to top. Layer
 ``l`` then holds ``sinks + recent + k^l`` tokens, so the budgets average exactly ``budget``
-and every layer holds more than the window (``validate`` asks for ``S >= beta``, i.e. k^{m-1} >= 1).
+and every layer holds more than the window.
 
-Selection (section 4.2.2) is SnapKV's, with the paper's alpha = 8 as the observation window. Two
-choices go beyond the paper, both measured in docs/methods.md: ``beta`` defaults to 5, not 20 (with
-20 the top layers of a 30-layer model keep 8 + 25 tokens at cache 512, too few to hold what a question
-asks about next to the question), and a reader's question is kept in every layer like the window
-(:meth:`ScoredMethod.protected`).
+Selection (section 4.2.2) is SnapKV's. The defaults are the paper's (its experiment settings): alpha = 8 as the
+observation window and beta = 20. Too small a cache for a pyramid: ``validate`` refuses (one line,
+exit 2) a budget whose top layer would select no token at all (``S < beta``); kvpress and the
+official code (KVCache-Factory) instead fall back to SnapKV's uniform budgets when the top layer
+would select fewer than alpha tokens. At a 30-layer model and cache 256, beta 20 leaves the top
+layer 8 + 12 tokens. The ``pyramidkv-beta5`` preset keeps beta 5, a choice of ours beyond the paper
+(docs/methods.md). Beyond the paper too: a reader's question is kept in every layer like the
+window (:meth:`ScoredMethod.protected`).
 """
 
 from __future__ import annotations
@@ -66,14 +69,13 @@ def pyramid_selected(selected_mean: int, num_layers: int, beta: float) -> list[i
 class PyramidKV(SnapKV):
     name = "pyramidkv"
     description = ("SnapKV selection (alpha = `window` = 8) under per-layer budgets decreasing "
-                   "arithmetically from bottom to top (`beta` sets the top layer; default 5, the paper's 20 "
-                   "in the pyramidkv-paper preset; beyond the paper), averaging --cache. With a question, "
+                   "arithmetically from bottom to top (`beta` sets the top layer; the paper's 20; our beta 5 is "
+                   "the pyramidkv-beta5 preset, beyond the paper), averaging --cache. With a question, "
                    "as snapkv, except that a layer below the mean budget holds less of the recap's block "
                    "(beyond the paper).")
     window: int = param(8, "observation window alpha: the last queries that score the cache (paper: 8)")
-    beta: float = param(5.0, "pyramid shape: the top layer selects (cache - sinks - recent) / beta tokens "
-                        "(beyond the paper: its 20 leaves a 30-layer model's top layers 25 tokens at cache 512; "
-                        "the pyramidkv-paper preset keeps 20)")
+    beta: float = param(20.0, "pyramid shape: the top layer selects (cache - sinks - recent) / beta tokens "
+                        "(paper: 20; the pyramidkv-beta5 preset sets 5, beyond the paper)")
 
     def validate(self, budget: int) -> None:
         super().validate(budget)
