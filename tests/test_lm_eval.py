@@ -182,7 +182,7 @@ def test_multiple_choice_and_generation_tasks_run_through_compression(tiny_model
         assert got == pytest.approx(scores[questions.index(sample["doc"]["question"])], rel=1e-5)
 
 
-def test_apply_chat_template_reads_the_conversation_in_the_models_chat_template(tiny_model_dir, tmp_path):
+def test_apply_chat_template_reads_the_conversation_in_the_models_chat_template(tiny_model_dir, tmp_path, monkeypatch):
     """``--apply_chat_template``: lm-eval hands kvcli the task's turn rendered by the tokenizer's template, and
     the answer is what the adapter writes after that text."""
     write_task(tmp_path, "generate", GENERATE, [{"question": "Q: What is two plus two?\nA:", "answer": " 4"}])
@@ -198,7 +198,8 @@ def test_apply_chat_template_reads_the_conversation_in_the_models_chat_template(
     prefill = lm.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The"}],
                                      add_generation_prompt=False)
     assert prefill.endswith("<|im_start|>assistant\nThe")  # continued, not closed with <|im_end|>
-    lm.tokenizer.chat_template = None  # a base model
+    # a base model; monkeypatch restores the template: the loaded model and its tokenizer are shared by later tests
+    monkeypatch.setattr(lm.tokenizer, "chat_template", None)
     with pytest.raises(UsageError, match="has no chat template: run without --apply_chat_template"):
         lm.apply_chat_template([{"role": "user", "content": "Hi"}])
 
