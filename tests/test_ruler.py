@@ -198,3 +198,22 @@ def test_a_ratio_refuses_a_streamed_prompt_and_a_budget_too_small_in_one_line(in
                     *tiny(tiny_model_dir))
     assert result.exit_code == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
+
+
+def test_full_reads_a_sample_once_for_every_ratio(invoke, tiny_model_dir, ruler_book, monkeypatch):
+    """``full`` ignores the budget, so its read at one ratio is its read at every other: one read per sample."""
+    from kvcli.eval import ruler
+
+    reads = []
+    real = ruler.Reading.trial
+    monkeypatch.setattr(ruler.Reading, "trial", lambda self, *args: reads.append(args[2]) or real(self, *args))
+    result = invoke("ruler", str(ruler_book), "--tasks", "niah_single_1", "--lengths", "400", "--methods",
+                    "full,snapkv", "--samples", "1", "--block", "64", "-n", "4", *tiny(tiny_model_dir),
+                    "--ratios", "0.5,0.75,0.875", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert reads == ["full", "snapkv", "snapkv", "snapkv"]
+    trials = json.loads(result.stdout)["trials"]
+    full = [trial for trial in trials if trial["method"] == "full"]
+    assert [trial["ratio"] for trial in full] == [0.5, 0.75, 0.875]
+    assert len({trial["answer"] for trial in full}) == 1
+    assert [t["cache"] for t in full] == [t["cache"] for t in trials if t["method"] == "snapkv"]

@@ -24,7 +24,7 @@ import string
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from kvcli.errors import BudgetError, KvcliError, UsageError
 from kvcli.eval.needle import (
@@ -569,6 +569,8 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
             for index in range(samples):
                 sample = make_sample(tokenizer, book, name, length, index, seed)
                 parts = build_prompt(tokenizer, question_instruction(sample.question, sample.answer_prefix))
+                # A method that ignores the budget (full) reads a sample once; its other ratios are that read.
+                read_once: dict[str, Trial] = {}
                 for ratio in levels:
                     cache = budget if ratio is None else ratio_budget(parts, sample, ratio)
                     if ratio is not None:
@@ -576,11 +578,14 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
                     for method in methods:
                         trial = previous.get((name, length, index, method, ratio))
                         if trial is None:
-                            trial = reading.trial(sample, parts, method, ratio, cache, answer_tokens)
+                            trial = (replace(read_once[method], ratio=ratio, cache=cache) if method in read_once
+                                     else reading.trial(sample, parts, method, ratio, cache, answer_tokens))
                             if log is not None:
                                 log.add(trial)
                         else:
                             check_resumed(trial, sample, cache)
+                        if built[method].unbounded:
+                            read_once.setdefault(method, trial)
                         result.trials.append(trial)
                         if on_trial:
                             on_trial(trial, len(result.trials), total)
