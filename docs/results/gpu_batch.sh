@@ -3,7 +3,8 @@
 # `.gpu-wheels` carried; ../shared/gpu/README.md): the issue's bench-speed lines (prefill, then decode
 # apart so that a failing decode loses only itself), the CUDA tests, and a
 # 1M-token stream. Each step has its own time limit and writes into $OUT, so a slow step loses only itself.
-#   bash docs/results/gpu_batch.sh [bench] [decode] [tests] [stream] [profile]   (default: the first four, in order)
+#   bash docs/results/gpu_batch.sh [bench] [bench2048] [decode] [tests] [stream] [profile] [blockprofile]
+#   (default: bench decode tests stream, in order)
 #   bash docs/results/gpu_batch.sh setup                      (only the install, before commands of your own)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,6 +24,10 @@ for step in $steps; do
     setup)  ;;
     bench)  timeout 180 python3 -m kvcli bench-speed --shape llama-3.1-8b \
               --methods streamingllm,treekv,snapkv,pyramidkv,h2o,tova,pyramidinfer --json >"$OUT/speed-8b.json" ;;
+    bench2048) timeout 150 python3 -m kvcli bench-speed --shape llama-3.1-8b --block 2048 --tokens 32768 \
+              --methods streamingllm,treekv,snapkv,pyramidkv,h2o,tova,pyramidinfer --json >"$OUT/speed-8b-block2048.json" ;;
+    blockprofile) timeout 120 python3 docs/results/profile_gpu_block.py llama-3.1-8b streamingllm h2o treekv pyramidkv \
+              >"$OUT/block-profile.txt" 2>&1 ;;
     decode) timeout 150 python3 -m kvcli bench-speed --shape llama-3.1-8b \
               --methods streamingllm,treekv,snapkv,pyramidkv,h2o,tova,pyramidinfer --tokens 8192 --decode 64 --json \
               >"$OUT/decode-8b.json" ;;
@@ -35,7 +40,7 @@ for step in $steps; do
             tail -5 "$OUT/tests.txt" ;;
     stream) timeout 150 python3 -m kvcli bench-speed --shape llama-3.1-8b --methods treekv \
               --tokens 1048576 --json >"$OUT/stream-1m-8b.json" ;;
-    *)      echo "unknown step $step (bench, decode, tests, stream, profile or setup)" >&2; exit 2 ;;
+    *)      echo "unknown step $step (bench, bench2048, decode, tests, stream, profile, blockprofile or setup)" >&2; exit 2 ;;
   esac
   echo "== $step: rc $? in $(( $(date +%s) - started )) s"
 done
