@@ -20,6 +20,7 @@ from kvcli.reading.prompts import (
     Instruction,
     PromptParts,
     build_prompt,
+    custom_instruction,
     encode,
     question_frame,
     question_instruction,
@@ -52,12 +53,12 @@ def spy_forward(engine: Engine) -> list[dict]:
     original = engine.forward
 
     def forward(cache, ids, probe=None, compress=True, decoding=False, last_only=False, question=0, observe=None,
-                held=0):
+                held=0, span=None):
         hidden = original(cache, ids, probe=probe, compress=compress, decoding=decoding, last_only=last_only,
-                          question=question, observe=observe, held=held)
+                          question=question, observe=observe, held=held, span=span)
         calls.append({"ids": ids[0].tolist(), "probe": None if probe is None else probe[0].tolist(),
                       "lengths": cache.lengths(), "decoding": decoding, "last_only": last_only,
-                      "question": question})
+                      "question": question, "span": span})
         return hidden
 
     engine.forward = forward
@@ -84,6 +85,20 @@ def test_plain_text_fallback_without_a_chat_template(smol_tokenizer):
     assert not parts.chat and smol_tokenizer.decode(parts.suffix) == "\n\nSummary:"
     primed = build_prompt(smol_tokenizer, question_instruction("Who?", "It was"), use_chat=False)
     assert smol_tokenizer.decode(primed.suffix) == "\n\nQuestion: Who?\nAnswer: It was"
+
+
+@pytest.mark.parametrize("use_chat", [True, False])
+@pytest.mark.parametrize("question", ["What is the pass key?", "Who wrote 6049 on the wall, and why?"])
+def test_the_question_span_is_the_questions_own_tokens(smol_tokenizer, use_chat, question):
+    """Only the question's own tokens vote: not ask's frame before it, not the end of the turn or the answer
+    prefix after it; a template or a custom prompt has no question, so every token of its suffix votes."""
+    parts = build_prompt(smol_tokenizer, question_instruction(question, "The answer is"), use_chat=use_chat)
+    start, end = parts.question_span
+    assert smol_tokenizer.decode(parts.suffix[start:end]).strip() == question
+    assert 0 < start < end < len(parts.suffix)  # a frame or cue before it, the turn's end or "Answer:" after
+    assert build_prompt(smol_tokenizer, TEMPLATES["summary"], use_chat=use_chat).question_span is None
+    assert build_prompt(smol_tokenizer, custom_instruction("List the names."), use_chat=use_chat).question_span \
+        is None
 
 
 def test_question_frame_is_what_the_model_reads_after_the_document(smol_tokenizer):
@@ -452,6 +467,40 @@ def test_a_known_question_is_the_whole_observation_window(model, name):
     assert all(seen == (20, 0, True, 0) for seen in spy.seen[2:4])  # probe: 20 queries, none of the block's
     assert all(seen == (20, 20, True, 20) for seen in spy.seen[4:])  # the block's last 20 queries, the question
     assert all(layer.record is None for layer in cache.layers) and not cache.question_scores
+
+
+@pytest.mark.parametrize("name", ["snapkv", "treekv", "h2o"])
+def test_only_the_questions_own_queries_vote(model, name):
+    """With ``span``, of the question ending the block only the span's queries record their attention: the same
+    record as a block cut after the span whose last queries are the span, and nothing on the tail's keys. A
+    probe's span records its span's queries alone, and none of the block's."""
+    def forward(ids, **kwargs):
+        method = make_method(name)
+        seen = []
+        original = method.compress
+
+        def compress(view, budget):
+            record = view.record
+            seen.append((record.window, record.own_window, record.skip, record.probs.clone()))
+            return original(view, budget)
+
+        method.compress = compress
+        engine = Engine(model, method, 32, block=64)
+        cache = engine.new_cache()
+        engine.forward(cache, torch.tensor([ids_of(40, 1)]))
+        seen.clear()
+        engine.forward(cache, torch.tensor([ids]), **kwargs)
+        return seen
+
+    block = ids_of(30, 4)
+    spanned = forward(block, question=20, span=(5, 15))
+    cut = forward(block[:25], question=10)
+    assert [(w, own, skip) for w, own, skip, _ in spanned] == [(10, 10, 5)] * len(spanned)
+    for (*_, probs), (*_, alone) in zip(spanned, cut, strict=True):
+        torch.testing.assert_close(probs[..., :alone.shape[-1]], alone)
+        assert probs[..., alone.shape[-1]:].abs().max() == 0  # the tail's keys come after every voter
+    probed = forward(ids_of(16, 2), probe=torch.tensor([ids_of(20, 3)]), span=(5, 15))
+    assert {(w, own, skip) for w, own, skip, _ in probed} == {(10, 0, 0)}
 
 
 def test_a_scored_method_keeps_the_question_up_to_half_its_room():

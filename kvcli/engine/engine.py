@@ -23,7 +23,7 @@ import torch
 
 from kvcli.engine.cache_factory import heads_apart, key_mode, new_cache
 from kvcli.engine.compression import compress_cache, layer_budgets, nested_forward
-from kvcli.engine.observation import plan_observation
+from kvcli.engine.observation import plan_observation, voters
 from kvcli.engine.streaming import (
     BlockScorer,
     BlockStats,
@@ -143,7 +143,8 @@ class Engine(BlockScorer):
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,
                 compress: bool = True, decoding: bool = False, last_only: bool = False,
-                question: int = 0, observe: Callable[[KVCache], None] | None = None, held: int = 0) -> torch.Tensor:
+                question: int = 0, observe: Callable[[KVCache], None] | None = None, held: int = 0,
+                span: tuple[int, int] | None = None) -> torch.Tensor:
         """Run ``ids`` ``[1, n]`` against ``cache``, compress, and return the last hidden states ``[n, d]``.
 
         Hidden states rather than logits: a 49k-token vocabulary makes the logits of a block the
@@ -151,8 +152,9 @@ class Engine(BlockScorer):
 
         ``probe`` holds query tokens (a question) that score the cache without entering it:
         query-aware compression. ``question`` says the block's own last ``question`` tokens are the
-        question, ``held`` that its last ``held`` tokens stay whatever they score: what the method observes
-        follows from them (:mod:`kvcli.engine.observation`). ``decoding`` marks a generated token (see
+        question, ``span`` which of the question's (or the probe's) tokens vote, ``held`` that its last
+        ``held`` tokens stay whatever they score: what the method observes follows from them
+        (:mod:`kvcli.engine.observation`). ``decoding`` marks a generated token (see
         :class:`kvcli.kv.cache.LayerView`).
 
         ``last_only`` says the caller needs the hidden state of the block's last token only (a read, never
@@ -165,9 +167,9 @@ class Engine(BlockScorer):
         """
         n = ids.shape[1]
         compressing = compress and self.compresses() and not (decoding and self.method.keeps_answer)
-        observation = plan_observation(self.method, n, compressing, probe is not None, question, held)
+        observation = plan_observation(self.method, n, compressing, probe is not None, question, held, span)
         cache.question_scores = observation.asks
-        cache.score_window = observation.window
+        cache.score_window, cache.score_skip = observation.window, observation.skip
         nested = compressing and last_only and probe is None and not decoding and self.nests_here()
         done: set[int] = set()
         try:
@@ -179,7 +181,7 @@ class Engine(BlockScorer):
                 hidden = self._run(cache, ids, store=True)
             cache.stream_start += n  # before the probe, whose queries come after the block
             if probe is not None and observation.asks:
-                cache.score_window = probe.shape[1]
+                cache.score_window, cache.score_skip = voters(span, probe.shape[1])
                 self._run(cache, probe, store=False)
                 if observe is not None:
                     observe(cache)
@@ -188,6 +190,7 @@ class Engine(BlockScorer):
                                done, observation.question, observation.held)
         finally:
             cache.question_scores = False
+            cache.score_skip = 0
             cache.waiting.clear()
             for layer in cache.layers:
                 layer.record = None

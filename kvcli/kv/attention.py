@@ -93,18 +93,21 @@ def window_mask(queries: int, first: int, last: int, device: torch.device) -> to
     return hidden_by_mask(queries, queries, device)[first:last]
 
 
-def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
-    """Softmax attention of the last ``window`` queries, summed over them: ``[H_kv, group, keys]`` in fp32.
+def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, skip: int = 0
+                     ) -> torch.Tensor:
+    """Softmax attention of the ``window`` queries before the last ``skip``, summed over them: ``[H_kv, group, keys]``
+    in fp32.
 
     Summed chunk by chunk of queries, so memory stays bounded when the window is a whole long prompt;
     the usual window is one chunk, whose sum is returned as it is (no running total to add it to).
     """
     q_heads, q_len, k_len = query.shape[1], query.shape[2], key.shape[2]
-    window = min(window, q_len)
+    end = q_len - skip
+    window = min(window, end)
     chunk = max(1, WINDOW_CHUNK_SCORES // (q_heads * k_len))
     total = None
-    for first in range(q_len - window, q_len, chunk):
-        probs = window_probs(*window_logits(query, key, scaling, first, min(first + chunk, q_len)))
+    for first in range(end - window, end, chunk):
+        probs = window_probs(*window_logits(query, key, scaling, first, min(first + chunk, end)))
         total = probs if total is None else total.add_(probs)
     return total
 
@@ -120,8 +123,9 @@ def grouped_logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> to
 
 def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                        window: int, *, sliding_window: int | None = None, softcap: float | None = None,
-                       sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention as two batched matmuls around a softmax, returning the window's probabilities too.
+                       sinks: torch.Tensor | None = None, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention as two batched matmuls around a softmax, returning the window's probabilities too (the
+    ``window`` queries before the last ``skip``).
 
     On CPUs with AMX the matmuls run at the bf16 rate while the fused SDPA kernel does not (timings
     in docs/benchmarks.md), and the probabilities the methods score with come for free. Query heads
@@ -142,7 +146,8 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         new_part.masked_fill_(hidden_by_mask(q_len, q_len, query.device), float("-inf"))
     tail = None
     if window > 0:  # the scaling is already in the logits
-        tail = window_probs(logits[:, :, q_len - min(window, q_len):, :], None)
+        end = q_len - skip
+        tail = window_probs(logits[:, :, end - min(window, end):end, :], None)
     if sinks is None:
         probs = torch.softmax(logits, dim=-1)
     else:
@@ -154,9 +159,10 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                   scaling: float, window: int, sliding_window: int | None = None
+                   scaling: float, window: int, sliding_window: int | None = None, skip: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``scaled_dot_product_attention`` for the output, the window's probabilities computed on the side.
+    """``scaled_dot_product_attention`` for the output, the window's probabilities computed on the side (the
+    ``window`` queries before the last ``skip``).
 
     Without a mask, a prefill into an empty cache (as many keys as queries) takes SDPA's causal
     kernel, which never materialises the ``n x n`` probabilities; a block against a cache, or any
@@ -176,7 +182,7 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         query, key, value, attn_mask=mask, is_causal=mask is None and q_len > 1, scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )
-    probs = window_attention(query, key, scaling, window) if window > 0 else None
+    probs = window_attention(query, key, scaling, window, skip) if window > 0 else None
     return output, probs
 
 
@@ -210,7 +216,7 @@ def takes_explicit(query: torch.Tensor, key: torch.Tensor, attention_mask: torch
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, window: int,
                     attention_mask: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None
+                    softcap: float | None = None, sinks: torch.Tensor | None = None, skip: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of every query to every key it can see, on the path that is fastest where it runs.
 
@@ -222,8 +228,8 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if attention_mask is not None:
             raise ValueError("kvcli builds its own masks; soft-capping and sinks take no external mask")
         return explicit_attention(query, key, value, scaling, window, sliding_window=sliding_window,
-                                  softcap=softcap, sinks=sinks)
-    return sdpa_attention(query, key, value, attention_mask, scaling, window, sliding_window)
+                                  softcap=softcap, sinks=sinks, skip=skip)
+    return sdpa_attention(query, key, value, attention_mask, scaling, window, sliding_window, skip)
 
 
 def kvcli_attention(
@@ -248,9 +254,10 @@ def kvcli_attention(
             f"layer {module.layer_idx} of this model attends within a window of {sliding_window} tokens, but kvcli "
             f"read {layer.window} from its configuration: this architecture is not supported")
     window = cache.score_window if layer is not None and layer.window is None else 0  # window layers need no scores
+    skip = min(cache.score_skip, q_len) if window else 0
     own = layer.attend(query, key, value, scaling, window) if layer is not None else None
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    recorded = min(window, q_len)
+    recorded = min(window, q_len - skip)
     if own is not None:
         output, probs = own
     elif (recorded and query.device.type not in EXPLICIT_DEVICES and defers(query.shape[1], recorded, key.shape[2])
@@ -258,13 +265,14 @@ def kvcli_attention(
         # A GPU's SDPA path: the window's softmax waits to be batched with the other layers' (kvcli.kv.scores).
         # Not on the CPU, which is not bound by launches and whose long one-shot prefills take that path too.
         output, _ = sdpa_attention(query, key, value, attention_mask, scaling, 0, sliding_window)
-        defer(cache, layer, *window_logits(query, key, scaling, q_len - recorded, q_len), recorded)
+        end = q_len - skip
+        defer(cache, layer, *window_logits(query, key, scaling, end - recorded, end), recorded, skip)
         probs = None
     else:
         output, probs = dense_attention(query, key, value, scaling, window, attention_mask,
-                                        sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+                                        sliding_window=sliding_window, softcap=softcap, sinks=sinks, skip=skip)
     if probs is not None:
-        record(layer, probs, recorded, cache.probing, cache.question_scores)
+        record(layer, probs, recorded, cache.probing, cache.question_scores, skip)
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -54,13 +54,16 @@ class AttentionRecord:
     kept apart for methods that treat the question's attention differently from the text's own
     (TreeKV's guard); None when no question scored. ``own`` counts the recorded queries that are the
     block's own last tokens (they see only the keys before them); the others are a probe's, which
-    see every key. ``None`` means all ``window`` of them.
+    see every key. ``None`` means all ``window`` of them. ``skip``: how many of the block's last tokens came after
+    the recorded queries (a question's chat-template tail, which attends but does not vote): the block's own
+    recorded queries are its tokens ``n - skip - own_window`` to ``n - skip``.
     """
 
     probs: torch.Tensor
     window: int
     probe: torch.Tensor | None = None
     own: int | None = None
+    skip: int = 0
 
     @property
     def own_window(self) -> int:
@@ -229,6 +232,7 @@ class KVCache(Cache):
         self.block_start = 0
         self.stream_start = 0
         self.score_window = 0  # how many of a forward's last queries record their attention
+        self.score_skip = 0  # how many queries after those do not (a question's chat-template tail)
         #: The recorded queries are the question's (the reader's instruction), not the text's: see Engine.forward.
         self.question_scores = False
         self.probing = False

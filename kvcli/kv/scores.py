@@ -43,17 +43,19 @@ def window_probs(logits: torch.Tensor, hidden: torch.Tensor | None) -> torch.Ten
     return torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=-2)
 
 
-def record(layer: CompressedLayer, probs: torch.Tensor, window: int, probing: bool, question: bool) -> None:
+def record(layer: CompressedLayer, probs: torch.Tensor, window: int, probing: bool, question: bool,
+           skip: int = 0) -> None:
     """Leave the window's ``probs`` ``[H_kv, group, keys]`` as ``layer``'s record.
 
     ``probing``: the queries were a probe's (the question alone scores, and its own keys are not kept);
-    ``question``: the recorded queries are the question's (:attr:`KVCache.question_scores`).
+    ``question``: the recorded queries are the question's (:attr:`KVCache.question_scores`); ``skip``: how many
+    of the forward's last queries came after the recorded ones (:attr:`AttentionRecord.skip`).
     """
-    if probing:  # the block the probe follows recorded nothing (Engine.forward)
+    if probing:  # the block the probe follows recorded nothing (Engine.forward); the probe's keys are not kept
         probe = probs[..., : layer.get_seq_length()]
         layer.record = AttentionRecord(probe, window, probe, own=0)
     else:
-        layer.record = AttentionRecord(probs, window, probs if question else None)
+        layer.record = AttentionRecord(probs, window, probs if question else None, skip=skip)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Waiting:
     window: int
     probing: bool
     question: bool
+    skip: int = 0
 
     def batch_key(self) -> tuple:
         # Within one forward every layer's window has the same queries, so equal shapes mean equal masks.
@@ -79,9 +82,9 @@ def defers(heads: int, window: int, keys: int) -> bool:
 
 
 def defer(cache: KVCache, layer: CompressedLayer, logits: torch.Tensor, hidden: torch.Tensor | None,
-          window: int) -> None:
+          window: int, skip: int = 0) -> None:
     """Leave ``layer``'s window logits with ``cache`` until :func:`settle` (the caller settles before reading)."""
-    cache.waiting.append(Waiting(layer, logits, hidden, window, cache.probing, cache.question_scores))
+    cache.waiting.append(Waiting(layer, logits, hidden, window, cache.probing, cache.question_scores, skip))
 
 
 def settle(cache: KVCache) -> None:
@@ -100,4 +103,4 @@ def settle(cache: KVCache) -> None:
             else:
                 probs = window_probs(torch.stack([item.logits for item in items]), first.hidden).unbind(0)
             for item, layer_probs in zip(items, probs, strict=True):
-                record(item.layer, layer_probs, item.window, item.probing, item.question)
+                record(item.layer, layer_probs, item.window, item.probing, item.question, item.skip)

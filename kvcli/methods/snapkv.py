@@ -101,7 +101,7 @@ class SnapKV(ScoredMethod):
         scores = layer_rows([v.record.probs for v in views]).mean(dim=1)  # GQA group averaged
         if scores.shape[1] != length:
             scores = scores[:, :length]
-        prefix = length - min(view.record.own_window, view.num_new, length)
+        prefix = length - min(view.record.own_window + view.record.skip, view.num_new, length)
         return self._shared(torch.cat((pool_scores(scores[:, :prefix], self.kernel, self.pooling), scores[:, prefix:]),
                                       dim=1), len(views))
 
@@ -116,7 +116,8 @@ class SnapKV(ScoredMethod):
         scores = layer_rows([pad_tokens(recorded_probs(view), width, float("-inf")) for view in views]).mean(dim=1)
         if self.kernel <= 1:
             return self._shared(scores, len(views))
-        prefixes = tuple(view.length - min(view.record.own_window, view.num_new, view.length) for view in views)
+        prefixes = tuple(view.length - min(view.record.own_window + view.record.skip, view.num_new, view.length)
+                         for view in views)
         unpooled = past_lengths(prefixes, views[0].num_heads, width, scores.device)  # each layer's window on
         neutral = float("-inf") if self.pooling == "max" else 0.0
         pooled = pool_scores(scores.masked_fill(unpooled, neutral), self.kernel, self.pooling)

@@ -157,10 +157,12 @@ def accumulate(views: list[LayerView]) -> tuple[torch.Tensor, torch.Tensor]:
     probs = layer_rows([view.record.probs for view in views]).mean(dim=1)  # [R, T]: GQA group averaged
     scores = scores + (probs if probs.shape[1] == length else probs[:, :length])
     # The block's own window sees new token j only from block index j on; extra probe queries see all.
+    # Its queries are the block's indices first .. first + own - 1 (the last `skip` tokens come after them).
     own = min(record.own_window, new)
+    first = new - record.skip - own
     counts = counts + float(record.window)
-    if own > 1:  # new token j missed the first max(0, own - (new - j)) of the block's window queries
-        missed = (own - torch.arange(new, 0, -1, device=counts.device)).clamp(min=0).float()
+    if own > 1 or record.skip:  # new token j missed the window's queries before it: min(own, max(0, j - first))
+        missed = (torch.arange(new, device=counts.device) - first).clamp(min=0, max=own).float()
         counts[:, length - new:] -= missed
     set_per_token_rows(views, SCORE, scores)
     set_per_token_rows(views, COUNT, counts)

@@ -33,6 +33,9 @@ class Instruction:
     #: Where a base model's answer ends after the plain-text cue: a base model answers "Question: ... Answer:"
     #: and then writes the next question and answer, and the next, for as long as it may.
     cue_stop: tuple[str, ...] = ()
+    #: The user's question inside ``text`` and ``cue`` (empty: none): only its own tokens score the cache
+    #: (:attr:`PromptParts.question_span`).
+    question: str = ""
 
 
 #: Named prompts for ``kvcli summarize --template``.
@@ -56,7 +59,7 @@ def question_instruction(question: str, answer_prefix: str = "") -> Instruction:
     models."""
     question = question.strip()
     return Instruction(ASK_FRAME.format(question=question), f"\n\nQuestion: {question}\nAnswer:", answer_prefix,
-                       cue_stop=("\nQuestion:", "\nAnswer:"))
+                       cue_stop=("\nQuestion:", "\nAnswer:"), question=question)
 
 
 def question_frame(tokenizer) -> str:
@@ -115,6 +118,11 @@ class PromptParts:
     suffix: list[int]
     chat: bool  # built with the tokenizer's chat template (False: plain-text fallback)
     stop: tuple[str, ...] = ()  # stop strings of the prompt's format (the cue's, :attr:`Instruction.cue_stop`)
+    #: ``(start, end)``: the suffix's tokens that are the user's question itself, without the frame around it,
+    #: the end of the user's turn or the assistant's start. Only these queries score the cache, as the papers'
+    #: observation window is the question (SnapKV) and not the chat template's markup, which is the same for
+    #: every question and would outvote a short one. None: every token of the suffix scores.
+    question_span: tuple[int, int] | None = None
 
 
 def render_chat(tokenizer, content: str) -> str | None:
@@ -143,10 +151,12 @@ def build_prompt(tokenizer, instruction: Instruction, use_chat: bool = True) -> 
     primer = instruction.answer_prefix
     if rendered is not None and rendered.count(SENTINEL) == 1:
         before, after = rendered.split(SENTINEL)
-        return PromptParts(encode(tokenizer, before), encode(tokenizer, after + primer), chat=True)
+        suffix, span = encode_marked(tokenizer, after + primer, instruction.question)
+        return PromptParts(encode(tokenizer, before), suffix, chat=True, question_span=span)
     cue = instruction.cue + (" " + primer if primer else "")
-    return PromptParts(leading_special_tokens(tokenizer), encode(tokenizer, cue), chat=False,
-                       stop=instruction.cue_stop)
+    suffix, span = encode_marked(tokenizer, cue, instruction.question)
+    return PromptParts(leading_special_tokens(tokenizer), suffix, chat=False, stop=instruction.cue_stop,
+                       question_span=span)
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -154,6 +164,25 @@ def encode(tokenizer, text: str) -> list[int]:
     if not text:
         return []
     return list(tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
+
+
+def encode_marked(tokenizer, text: str, part: str) -> tuple[list[int], tuple[int, int] | None]:
+    """:func:`encode` of ``text``, and the tokens ``(start, end)`` that cover the last occurrence of ``part`` in it
+    (every token whose characters overlap it). None where ``part`` is empty or absent, or the tokenizer gives no
+    character offsets (a slow tokenizer): then the caller treats the whole text as the part."""
+    ids = encode(tokenizer, text)
+    at = text.rfind(part) if part else -1
+    if at < 0 or not ids:
+        return ids, None
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, verbose=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError, TypeError):  # slow tokenizers have no offsets
+        return ids, None
+    offsets = encoded.get("offset_mapping")
+    if offsets is None or list(encoded.input_ids) != ids:
+        return ids, None
+    covering = [i for i, (first, last) in enumerate(offsets) if first < at + len(part) and last > at]
+    return ids, (covering[0], covering[-1] + 1) if covering else None
 
 
 def stop_token_ids(tokenizer, model=None, stop: Iterable[str] = ()) -> set[int]:

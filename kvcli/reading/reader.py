@@ -128,7 +128,8 @@ class Reader:
         ids = buffered + parts.suffix
         result.prompt_tokens = len(ids)
         result.document_tokens = len(ids) - len(parts.prefix) - len(parts.suffix)
-        hidden = self._forward(cache, ids, None, result, last_only=True, question=len(parts.suffix))
+        hidden = self._forward(cache, ids, None, result, last_only=True, question=len(parts.suffix),
+                               span=parts.question_span)
         self._progress(result.prompt_tokens, cache, started)
         return hidden
 
@@ -149,7 +150,7 @@ class Reader:
             while len(pending) > block:
                 ids = pending[:block]
                 seen = partial(observer.observe, ids=ids, start=cache.stream_start) if observer else None
-                self._forward(cache, ids, probe_ids, result, last_only=True, observe=seen)
+                self._forward(cache, ids, probe_ids, result, last_only=True, observe=seen, span=parts.question_span)
                 read += len(ids)
                 del pending[:block]
                 self._progress(read, cache, started)
@@ -171,20 +172,24 @@ class Reader:
         result.document_tokens = document
         # The question ends this block: its own queries score the last compression, as the probe scored
         # every compression before it (with --no-probe the block's own window decides).
-        hidden = self._forward(cache, pending + suffix, None, result, last_only=True, question=asked, held=held)
+        hidden = self._forward(cache, pending + suffix, None, result, last_only=True, question=asked, held=held,
+                               span=parts.question_span)
         self._progress(total, cache, started)
         return hidden
 
     def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,
                  last_only: bool = False, question: int = 0,
-                 observe: Callable[[KVCache], None] | None = None, held: int = 0) -> torch.Tensor:
+                 observe: Callable[[KVCache], None] | None = None, held: int = 0,
+                 span: tuple[int, int] | None = None) -> torch.Tensor:
         """One engine forward; ``last_only``: only the last token's hidden state is used (a read), so a
         nesting method (PyramidInfer) may skip the hidden states of the tokens a layer drops; ``question``:
-        the last tokens of ``ids`` that are the question; ``observe`` and ``held`` (:meth:`Engine.forward`)."""
+        the last tokens of ``ids`` that are the question; ``observe``, ``held`` and ``span`` (the question's own
+        words among the suffix's tokens, which alone vote: :meth:`Engine.forward`)."""
         if not ids:
             raise KvcliError("the prompt is empty")
         hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe,
-                                     last_only=last_only, question=question, observe=observe, held=held)
+                                     last_only=last_only, question=question, observe=observe, held=held,
+                                     span=span)
         result.max_cache_tokens = max(result.max_cache_tokens, cache.max_tokens())
         return hidden
 

@@ -129,7 +129,7 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
                      query_slots: torch.Tensor | None, sinks: int, recent: int, scaling: float,
                      tau: float | None = None, window: int = 0, first: int | None = None,
                      held: tuple[int, int] | None = None, with_gate: bool = False,
-                     rows: slice | torch.Tensor | None = None
+                     rows: slice | torch.Tensor | None = None, skip: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Eq. 3-4 for the KV heads of a layer that are not their block's lead, all queries of a block at once.
 
@@ -149,8 +149,8 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
     (``first`` is ``T - n``), so the masks are made once per block for every layer (:func:`held_masks`).
     ``rows``: which of the ``H`` heads share, where the layer leads the others (:func:`mixed_logits`).
 
-    Returns the output ``[H, G, n, Dv]``, the attention of the last ``window`` queries summed over
-    them ``[H, G, T]`` (float32, for scoring methods; None when ``window`` is 0) and the gate
+    Returns the output ``[H, G, n, Dv]``, the attention of the ``window`` queries before the last ``skip`` summed
+    over them ``[H, G, T]`` (float32, for scoring methods; None when ``window`` is 0) and the gate
     ``g`` ``[h, G, n]`` of the sharing heads (float32; only with a threshold ``tau`` or ``with_gate``, else None).
     """
     n, length = lead_query.shape[2], values.shape[-2]
@@ -174,7 +174,8 @@ def shared_attention(query: torch.Tensor, lead_query: torch.Tensor, own_keys: to
         probs, gate = _gated(probs, own, rows, tau)
     heads, group = lead_query.shape[:2]
     output = torch.matmul((probs.to(values.dtype) if exact else probs).view(heads, group * n, length), values)
-    tail = probs[:, :, n - min(window, n):, :].sum(dim=2) if window > 0 else None
+    end = n - skip
+    tail = probs[:, :, end - min(window, end):end, :].sum(dim=2) if window > 0 else None
     return output.view(heads, group, n, values.shape[-1]), tail, gate
 
 

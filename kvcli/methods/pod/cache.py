@@ -268,9 +268,10 @@ class PodLayer(PodStore):
         kv_heads = self.values.shape[1]
         group = query.shape[1] // kv_heads
         values = stored(self.values)  # dequantized once per call when quantized
+        skip = min(owner.score_skip, n) if window else 0  # the question's template tail does not vote
         if not self.other_heads:  # every head leads: plain attention on kvcli's ordinary path
             keys = self.lead_keys()
-            output, probs = dense_attention(query, keys, values, scaling, window)
+            output, probs = dense_attention(query, keys, values, scaling, window, skip=skip)
             if plan.last_reader(layer) > layer:  # the higher layers of its blocks read them, rotated once here
                 owner.share(self.lead_heads, query.view(kv_heads, group, n, -1) * scaling, keys)
         else:
@@ -285,7 +286,8 @@ class PodLayer(PodStore):
             own_keys = self.near_keys if self._in_place() else self._rotated(self.near_keys, heads, self.near_slots())
             out, probs, _ = shared_attention(scaled if rows is None else scaled[rows], owner.lead_queries, own_keys,
                                              None, owner.lead_keys, values, None, plan.sinks, plan.recent, 1.0,
-                                             plan.tau, window, held=(self.near_sinks, self.near_recent), rows=rows)
+                                             plan.tau, window, held=(self.near_sinks, self.near_recent), rows=rows,
+                                             skip=skip)
             output = out.view(1, kv_heads * group, n, -1)
         self.free_distant_keys()
         if layer == plan.num_layers - 1:  # the forward is over: its lead queries and keys go
