@@ -28,6 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from kvcli.errors import UnsupportedModelError
+from kvcli.kv import fused_window
 from kvcli.kv.cache import KVCache
 from kvcli.kv.scores import defer, defers, record, window_probs
 
@@ -104,6 +105,8 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, win
     q_heads, q_len, k_len = query.shape[1], query.shape[2], key.shape[2]
     end = q_len - skip
     window = min(window, end)
+    if fused_window.applies(query, window):  # a GPU's long window (H2O's whole block): no scores written
+        return fused_window.window_sums(query, key, scaling, end - window, end)
     chunk = max(1, WINDOW_CHUNK_SCORES // (q_heads * k_len))
     total = None
     for first in range(end - window, end, chunk):
