@@ -88,6 +88,22 @@ def test_ask_reads_stdin_and_answers_in_json(invoke, tiny_model_dir):
     assert data["document_tokens"] > 900 and not data["one_shot"]  # longer than the tiny model's context
 
 
+def test_ask_without_its_frame_reads_the_question_as_written(invoke, tiny_model_dir, smol_tokenizer):
+    """--no-frame: the prompt holds the bare question where ask's frame would have stood, so it is shorter by
+    exactly the frame's tokens."""
+    from kvcli.reading.prompts import ASK_FRAME, build_prompt, question_instruction
+
+    common = ["ask", "-", "Who is tired?", *tiny(tiny_model_dir), "--method", "snapkv", "--cache", "64",
+              "--max-new-tokens", "2", "--json"]
+    framed = json.loads(invoke(*common, input=TEXT[:400]).stdout)
+    bare = json.loads(invoke(*common, "--no-frame", input=TEXT[:400]).stdout)
+    suffix = build_prompt(smol_tokenizer, question_instruction("Who is tired?", frame=False)).suffix
+    assert smol_tokenizer.decode(suffix).startswith("\n\nWho is tired?<|im_end|>")
+    assert framed["prompt_tokens"] - bare["prompt_tokens"] == \
+        len(build_prompt(smol_tokenizer, question_instruction("Who is tired?")).suffix) - len(suffix)
+    assert ASK_FRAME.split("{")[0].strip() not in smol_tokenizer.decode(suffix)
+
+
 def test_ask_recaps_a_streamed_document_before_the_question_unless_told_not_to(invoke, tiny_model_dir):
     common = ["ask", "-", "Who is tired?", *tiny(tiny_model_dir), "--method", "snapkv", "--cache", "64", "--block",
               "32", "--max-new-tokens", "2", "--json"]

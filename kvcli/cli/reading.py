@@ -478,6 +478,11 @@ def ask(
     *,
     setup: Setup,
     read: ReadOptions,
+    no_frame: Annotated[bool, typer.Option("--no-frame", help="Ask the question as written, without ask's "
+                                           "frame (\"Read the text above carefully, then answer in one short "
+                                           "sentence.\") before it: for questions that want more than one "
+                                           "sentence. Base models get their Question/Answer cue either way.")
+                        ] = False,
 ) -> None:
     """Answer QUESTION about SOURCE; the question steers which tokens the compressed cache keeps.
 
@@ -488,5 +493,5 @@ def ask(
 
     if not question.strip():
         raise UsageError("the question is empty")
-    read_and_write(ctx, source, Task("ask", question_instruction(question, read.answer_prefix), {"question": question}),
-                   setup, read)
+    instruction = question_instruction(question, read.answer_prefix, frame=not no_frame)
+    read_and_write(ctx, source, Task("ask", instruction, {"question": question}), setup, read)

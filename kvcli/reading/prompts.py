@@ -54,11 +54,13 @@ TEMPLATES: dict[str, Instruction] = {
 ASK_FRAME = "Read the text above carefully, then answer in one short sentence. {question}"
 
 
-def question_instruction(question: str, answer_prefix: str = "") -> Instruction:
-    """The instruction of ``kvcli ask``: the question in :data:`ASK_FRAME`, or a Question/Answer cue for base
+def question_instruction(question: str, answer_prefix: str = "", frame: bool = True) -> Instruction:
+    """The instruction of ``kvcli ask``: the question in :data:`ASK_FRAME` (``frame``; else the question as
+    written, for a question that wants more than one short sentence), or a Question/Answer cue for base
     models."""
     question = question.strip()
-    return Instruction(ASK_FRAME.format(question=question), f"\n\nQuestion: {question}\nAnswer:", answer_prefix,
+    text = ASK_FRAME.format(question=question) if frame else question
+    return Instruction(text, f"\n\nQuestion: {question}\nAnswer:", answer_prefix,
                        cue_stop=("\nQuestion:", "\nAnswer:"), question=question)
 
 
