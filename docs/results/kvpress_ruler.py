@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the weights kvcli reads: its model cache folder (config.json, model.safetensors, "
                              "tokenizer files), e.g. ~/.cache/kvcli/models/SmolLM2-135M-Instruct.Q4_1-float32-*")
     parser.add_argument("--presses", default="SnapKVPress,StreamingLLMPress", help=f"of: {','.join(PRESSES)}")
-    parser.add_argument("--ratios", default="0.5,0.75,0.875", help="kvpress's compression_ratio values")
+    parser.add_argument("--ratios", default="0.5,0.75,0.875", help="kvpress's compression_ratio values (0: the "
+                        "pipeline's prefill uncompressed, its full attention)")
     parser.add_argument("--press-option", action="append", default=[], metavar="PRESS.KEY=VALUE")
     args = parser.parse_args(argv)
     args.presses = [name.strip() for name in args.presses.split(",") if name.strip()]
@@ -93,8 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.ratios = [float(r) for r in args.ratios.split(",")]
     except ValueError:
         fail(f"--ratios {args.ratios!r}: expected numbers such as 0.5,0.75")
-    if not all(0 < r < 1 for r in args.ratios):
-        fail("--ratios: a compression ratio is greater than 0 and less than 1")
+    if not all(0 <= r < 1 for r in args.ratios):
+        fail("--ratios: a compression ratio is at least 0 (kvpress's pipeline without compression) and less than 1")
     if not (args.model_dir / "config.json").is_file():
         fail(f"--model-dir {args.model_dir}: no config.json there (give kvcli's model cache folder)")
     args.options = parse_options(args.press_option)
@@ -144,7 +145,8 @@ def trial(pipe, sample: dict, press_name: str, ratio: float, options: dict) -> d
     from kvcli.eval.ruler import recall
     from kvcli.io.report import peak_memory_bytes, reset_peak_memory
 
-    press = getattr(kvpress, press_name)(compression_ratio=ratio, **options)
+    # ratio 0 is the pipeline's plain prefill (no press at all), the same read whichever press is named
+    press = getattr(kvpress, press_name)(compression_ratio=ratio, **options) if ratio > 0 else None
     ids = pipe.preprocess(sample["context"], [sample["question"]], sample["answer_prefix"], int(1e10))
     cache = DynamicCache()
     cpu = torch.device("cpu")
@@ -189,11 +191,30 @@ def main(argv: list[str] | None = None) -> None:
     grid = [(sample, press, ratio) for sample in samples for press in args.presses for ratio in args.ratios]
     keys = [(s["task"], s["length"], s["index"], f"kvpress:{press}", ratio) for s, press, ratio in grid]
     print(f"took {sum(key in done for key in keys)} of {len(grid)} trials from {args.out}", file=sys.stderr)
-    for (sample, press, ratio), key in zip(grid, keys, strict=True):
-        if key not in done:
-            row = {**trial(pipe, sample, press, ratio, args.options.get(press, {})), "run": run}
-            log.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "run"}), flush=True)
+    try:
+        for (sample, press, ratio), key in zip(grid, keys, strict=True):
+            if key not in done:
+                one(pipe, log, sample, press, ratio, args.options.get(press, {}), run)
+    except KvcliError as exc:  # --out could not be written (a full disk): the rows before are whole
+        print(f"kvpress_ruler: error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print(f"kvpress_ruler: stopped; the finished trials are in {args.out}: the same command continues",
+              file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def one(pipe, log, sample: dict, press: str, ratio: float, options: dict, run: dict) -> None:
+    """One trial written to ``--out`` and printed; a failure of kvpress is one line and exit code 1."""
+    try:
+        row = {**trial(pipe, sample, press, ratio, options), "run": run}
+    except Exception as exc:  # noqa: BLE001 - kvpress's own failure: one line, the rows so far are kept
+        print(f"kvpress_ruler: error: kvpress:{press} at ratio {ratio:g} failed on {sample['task']} sample "
+              f"{sample['index']} at {sample['length']:,} tokens: {type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+        raise SystemExit(1) from None
+    log.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != "run"}), flush=True)
 
 
 if __name__ == "__main__":
