@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -27,6 +27,9 @@ from kvcli.cli.options import (
 from kvcli.cli.reading import OneShotOpt, ProbeOpt, RecapOpt, check_recap
 from kvcli.errors import UsageError
 from kvcli.reading.recap import RECAP_TOKENS
+
+if TYPE_CHECKING:
+    from kvcli.eval.ruler import Book
 
 #: The tasks of kvcli.eval.ruler.TASKS, here so that --help and the checks need no torch.
 TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
@@ -164,7 +167,7 @@ def _export(setup: Setup, documents, export: Path, task_list, length_list, *, sa
     setup.note(f"wrote {len(records)} samples to {export}")
 
 
-def _book(documents) -> tuple[str, object]:
+def _book(documents) -> tuple[str, Book]:
     """SOURCE's documents joined as the haystack's text, and the :class:`kvcli.eval.ruler.Book` of it."""
     from kvcli.eval.ruler import Book
 
