@@ -217,3 +217,51 @@ def test_full_reads_a_sample_once_for_every_ratio(invoke, tiny_model_dir, ruler_
     assert [trial["ratio"] for trial in full] == [0.5, 0.75, 0.875]
     assert len({trial["answer"] for trial in full}) == 1
     assert [t["cache"] for t in full] == [t["cache"] for t in trials if t["method"] == "snapkv"]
+
+
+def test_export_writes_the_samples_a_run_reads_as_kvpress_takes_them(invoke, tiny_model_dir, smol_tokenizer,
+                                                                    ruler_book, tmp_path):
+    import hashlib
+
+    from kvcli.eval.ruler import template_digest
+    from kvcli.reading.prompts import build_prompt, question_instruction
+
+    export = tmp_path / "samples.jsonl"
+    # a run's command line with --export added: the reading settings (methods, ratios) change no sample
+    arguments = [str(ruler_book), "--tasks", "niah_single_1,niah_multikey_2", "--lengths", "400,450", "--samples",
+                 "2", "--methods", "snapkv", "--ratios", "0.5", "-n", "4", *tiny(tiny_model_dir), "--export",
+                 str(export)]
+    for _ in range(2):  # a second export replaces the file, it does not add to it
+        result = invoke("ruler", *arguments)
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout == ""
+    records = [json.loads(line) for line in export.read_text(encoding="utf-8").splitlines()]
+    assert [(r["task"], r["length"], r["index"]) for r in records] == [
+        (task, length, index) for length in (400, 450) for task in ("niah_single_1", "niah_multikey_2")
+        for index in (0, 1)]
+    book = Book(ruler_book.read_text())
+    digest = hashlib.sha256(ruler_book.read_text().encode("utf-8")).hexdigest()
+    for record in records:
+        sample = make_sample(smol_tokenizer, book, record["task"], record["length"], record["index"], seed=0)
+        parts = build_prompt(smol_tokenizer, question_instruction(sample.question, sample.answer_prefix))
+        assert record == {
+            "task": sample.task, "length": sample.length, "index": sample.index, "seed": 0,
+            "context": sample.document, "question": "\n\n" + sample.question,
+            "answer_prefix": sample.answer_prefix, "outputs": sample.outputs, "answer_tokens": 4,
+            "tokens": sample.tokens, "context_tokens": len(parts.prefix) + len(sample.doc),
+            "question_tokens": len(parts.suffix), "book_sha256": digest, "model": str(tiny_model_dir),
+            "chat_template_sha256": template_digest(smol_tokenizer)}
+        assert record["chat_template_sha256"] is not None  # SmolLM2's tokenizer has a chat template
+
+
+@pytest.mark.parametrize(("arguments", "code", "message"), [
+    (["--export", "/nonexistent-folder/samples.jsonl"], 1, "no such folder"),
+    (["--export", "{tmp}", "--json"], 2, "runs no trial"),
+    (["--export", "{book}"], 2, "never replaces an input"),
+])
+def test_a_bad_export_is_one_line_before_any_model(invoke, ruler_book, tmp_path, arguments, code, message):
+    arguments = [a.format(tmp=tmp_path / "samples.jsonl", book=ruler_book) for a in arguments]
+    result = invoke("ruler", str(ruler_book), *arguments, "--model", "/nonexistent")
+    assert result.exit_code == code, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
+    assert ruler_book.read_text() == book_text()

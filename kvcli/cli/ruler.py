@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -26,6 +27,9 @@ from kvcli.cli.options import (
 from kvcli.cli.reading import OneShotOpt, ProbeOpt, RecapOpt, check_recap
 from kvcli.errors import UsageError
 from kvcli.reading.recap import RECAP_TOKENS
+
+if TYPE_CHECKING:
+    from kvcli.eval.ruler import Book
 
 #: The tasks of kvcli.eval.ruler.TASKS, here so that --help and the checks need no torch.
 TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
@@ -82,6 +86,10 @@ def ruler(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every trial and the scores.")] = False,
     rows: TrialRowsOpt = None,
     resume: ResumeTrialsOpt = False,
+    export: Annotated[Path | None, typer.Option("--export", help="Write the samples to this file, one JSON line "
+                                                "each, as kvpress's pipeline takes them (context, question, answer "
+                                                "prefix, expected values), and read none (docs/ruler.md).",
+                                                show_default=False)] = None,
     *,
     setup: Setup,
 ) -> None:
@@ -115,21 +123,71 @@ def ruler(
         raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")
     if rows is not None:
         check_output(rows, "--rows")  # before the model loads
+    if export is not None:
+        check_export(setup, source, export, rows=rows, json_out=json_out)
     documents = setup.documents(source)
+    if export is not None:
+        _export(setup, documents, export, task_list, length_list, samples=samples, seed=seed,
+                max_new_tokens=max_new_tokens)
+        return
     _run(setup, documents, task_list, method_list, length_list, samples=samples, cache=cache, ratios=ratio_list,
          block=block_size, seed=seed, max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe,
          options=per_method, bits=bits, recap=recap, json_out=json_out, rows=rows, resume=resume)
 
 
-def _run(setup: Setup, documents, task_list, method_list, length_list, *, samples, cache, ratios, block, seed,
-         max_new_tokens, one_shot, probe, options, bits, recap, json_out, rows, resume) -> None:
-    import hashlib
+def check_export(setup: Setup, source: str, export: Path, *, rows: Path | None, json_out: bool) -> None:
+    """``--export`` writes the samples and reads none, so the outputs of a run (``--rows``, ``--resume``,
+    ``--json``) are refused; the reading settings (methods, cache, ratios, ...) change no sample and are ignored,
+    so a run's command line with ``--export`` added exports that run's samples."""
+    from kvcli.io.outputs import check_output
 
-    from kvcli.eval.ruler import Book, RulerLog, run_ruler
-    from kvcli.io.report import dumps, print_result
+    if rows is not None or json_out:
+        raise UsageError("--export writes the samples and runs no trial: drop --rows, --resume and --json")
+    check_output(export, "--export")
+    setup.check_outputs({"--export": export}, source)
+
+
+def _export(setup: Setup, documents, export: Path, task_list, length_list, *, samples, seed,
+            max_new_tokens) -> None:
+    """The samples of ``task_list`` x ``length_list`` written to ``export`` at once (a kill leaves the file as it
+    was), sized with the model's tokenizer; nothing else of the model runs."""
+    from kvcli.eval.ruler import export_samples, template_digest
+    from kvcli.io.outputs import atomic_write
+    from kvcli.io.report import dumps
+
+    text, book = _book(documents)
+    loaded = setup.load()
+    about = {"book_sha256": _digest(text), "model": loaded.name,
+             "chat_template_sha256": template_digest(loaded.tokenizer)}
+    records = export_samples(loaded.tokenizer, book, task_list, length_list, samples, seed=seed,
+                             max_new_tokens=max_new_tokens, about=about,
+                             on_sample=lambda r: setup.note(f"{r['task']} {r['length']:,} sample {r['index']}: "
+                                                            f"{r['tokens']:,} tokens"))
+    atomic_write(export, "".join(dumps(record) + "\n" for record in records).encode("utf-8"))
+    setup.note(f"wrote {len(records)} samples to {export}")
+
+
+def _book(documents) -> tuple[str, Book]:
+    """SOURCE's documents joined as the haystack's text, and the :class:`kvcli.eval.ruler.Book` of it."""
+    from kvcli.eval.ruler import Book
 
     text = "\n\n".join("".join(doc.read_chunks()) for doc in documents)
-    book = Book(text)
+    return text, Book(text)
+
+
+def _digest(text: str) -> str:
+    """The book's sha256, as every row and export records it."""
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _run(setup: Setup, documents, task_list, method_list, length_list, *, samples, cache, ratios, block, seed,
+         max_new_tokens, one_shot, probe, options, bits, recap, json_out, rows, resume) -> None:
+    from kvcli.eval.ruler import RulerLog, run_ruler
+    from kvcli.io.report import dumps, print_result
+
+    text, book = _book(documents)
     loaded = setup.load()
 
     def on_trial(trial, done, total) -> None:
@@ -143,7 +201,7 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
                            samples=samples, budget=cache, ratios=ratios, block=block, seed=seed,
                            max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe, options=options,
                            kv_bits=bits, recap=recap, warn=setup.say, on_trial=on_trial, log=log,
-                           book_digest=hashlib.sha256(text.encode("utf-8")).hexdigest())
+                           book_digest=_digest(text))
     except KeyboardInterrupt:
         if log is not None:
             setup.note(f"{log.written} new trials are in {rows}; the same command with --resume runs the rest")
