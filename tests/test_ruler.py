@@ -108,7 +108,7 @@ def test_bad_options_are_one_line_before_any_model(invoke, ruler_book, arguments
 @pytest.mark.parametrize("length", [400, 900])  # read in one shot / streamed past the tiny model's 512 context
 def test_a_ruler_trial_answers_what_ask_answers_on_its_text(invoke, tiny_model_dir, smol_tokenizer, ruler_book,
                                                            tmp_path, length):
-    common = [*tiny(tiny_model_dir), "--cache", "48", "--block", "64", "--max-new-tokens", "4"]
+    common = [*tiny(tiny_model_dir), "--cache", "48", "--block", "64", "--max-new-tokens", "24"]  # long enough to loop
     data = json.loads(invoke("ruler", str(ruler_book), "--tasks", "niah_single_2", "--methods", "snapkv",
                              "--lengths", str(length), "--samples", "1", "--json", *common).stdout)
     (trial,) = data["trials"]

@@ -676,10 +676,11 @@ class Reading:
               answer_tokens: int) -> Trial:
         """One trial: ``sample`` read by ``method`` at a budget of ``cache`` tokens per layer, then graded."""
         from kvcli.engine.engine import Engine
+        from kvcli.reading.prompts import ANSWER_REPETITION
         from kvcli.reading.reader import Reader
 
         engine = Engine(self.model, self.built[method], cache, block=self.block, warn=self.warn, kv_bits=self.kv_bits)
-        reader = Reader(engine, self.tokenizer, stop_ids=self.stop_ids, recap=self.recap)
+        reader = Reader(engine, self.tokenizer, stop_ids=self.stop_ids, recap=self.recap, repetition=ANSWER_REPETITION)
         started = time.perf_counter()
         gen = reader.run(parts, [sample.doc], answer_tokens, one_shot=self.one_shot, probe=self.probe)
         answer = gen.text.strip()
