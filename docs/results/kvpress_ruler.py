@@ -28,6 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the kvcli source folder: its grader and writers
 
+#: Presses that leave layers of different lengths. transformers builds one attention mask for every layer from
+#: layer 0's cache length (huggingface/transformers#35168), so the question's forward after such a press fails
+#: under SDPA's mask on a CPU (kvpress needs flash attention for them). They run with :func:`own_mask_attention`.
+UNEVEN_PRESSES = ("PyramidKVPress",)
 PRESSES = ("SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "TOVAPress", "ExpectedAttentionPress", "KVzipPress")
 FIELDS = ("task", "length", "index", "context", "question", "answer_prefix", "outputs", "answer_tokens")
 
@@ -147,6 +151,7 @@ def trial(pipe, sample: dict, press_name: str, ratio: float, options: dict) -> d
 
     # ratio 0 is the pipeline's plain prefill (no press at all), the same read whichever press is named
     press = getattr(kvpress, press_name)(compression_ratio=ratio, **options) if ratio > 0 else None
+    attention_for(pipe, press_name)
     ids = pipe.preprocess(sample["context"], [sample["question"]], sample["answer_prefix"], int(1e10))
     cache = DynamicCache()
     cpu = torch.device("cpu")
@@ -162,6 +167,29 @@ def trial(pipe, sample: dict, press_name: str, ratio: float, options: dict) -> d
             "prompt_tokens": ids["context_ids"].shape[1] + ids["questions_ids"][0].shape[1],
             "context_tokens": ids["context_ids"].shape[1], "question_tokens": ids["questions_ids"][0].shape[1],
             "kept_tokens": round(sum(kept) / len(kept)), "seconds": seconds, "peak_rss_bytes": peak_memory_bytes(cpu)}
+
+
+def own_mask_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention with the mask this layer's own cache needs, not the one built for layer 0:
+    every cached key visible to every new query, the new queries causal among themselves (which is what the
+    shared mask says for a layer of layer 0's length)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len, k_len = query.shape[2], key.shape[2]
+    mask = None
+    if q_len > 1:
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None, None]
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=False,
+                                  **{k: v for k, v in kwargs.items() if k != "is_causal"})
+
+
+def attention_for(pipe, press_name: str) -> None:
+    """The attention a press's trial runs with: ``own_mask_attention`` for :data:`UNEVEN_PRESSES`, else SDPA."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("kvpress_ruler_own_mask", own_mask_attention)
+    pipe.model.set_attn_implementation("kvpress_ruler_own_mask" if press_name in UNEVEN_PRESSES else "sdpa")
 
 
 def taken_rows(log, run: dict) -> dict[tuple, dict]:

@@ -1,0 +1,57 @@
+"""kvcli's and kvpress's RULER rows on the same samples, as one markdown table (issue #53).
+
+    python docs/results/ruler_table.py docs/results/ruler-4k/anna-kvcli.jsonl docs/results/ruler-4k/anna-kvpress.jsonl
+
+Rows: `kvcli ruler --rows` (kvcli's methods) and `docs/results/kvpress_ruler.py --out` (kvpress's presses), joined on
+(task, length, index). Only the samples both files hold count, so every column averages the same samples. A
+cell is the mean score in percent; the average row adds the 95% Wilson interval over all trials of the column.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from kvcli.eval.needle import wilson_interval
+
+
+def load(path: str) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [row for row in rows if "task" in row and "score" in row]
+
+
+def main() -> None:
+    rows = [row for path in sys.argv[1:] for row in load(path)]
+    by_source: dict[str, set] = defaultdict(set)
+    for row in rows:
+        by_source[row["method"].startswith("kvpress:")].add((row["task"], row["length"], row["index"]))
+    shared = set.intersection(*by_source.values())
+    cells: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for row in rows:
+        key = (row["task"], row["length"], row["index"])
+        if key in shared:
+            column = row["method"] if row["method"] == "full" else f"{row['method']} {row['ratio']}"
+            cells[column][key] = row["score"]
+    columns = sorted(cells, key=lambda c: (c != "full", c.split()[-1], c))
+    tasks = sorted({task for task, _, _ in shared}, key=lambda t: (t.startswith("niah") is False, t))
+    print(f"{len(shared)} samples ({len(tasks)} tasks) read by every column\n")
+    print("| task | " + " | ".join(columns) + " |")
+    print("| --- |" + " ---: |" * len(columns))
+    for task in tasks:
+        means = []
+        for column in columns:
+            scores = [v for (t, _, _), v in cells[column].items() if t == task]
+            means.append(f"{100 * sum(scores) / len(scores):.0f}" if scores else "-")
+        print(f"| {task} | " + " | ".join(means) + " |")
+    averages = []
+    for column in columns:
+        scores = list(cells[column].values())
+        low, high = wilson_interval(sum(scores), len(scores))  # type: ignore[arg-type] - partial successes
+        averages.append(f"**{100 * sum(scores) / len(scores):.1f}** ({100 * low:.0f}-{100 * high:.0f})")
+    print("| average (95% CI) | " + " | ".join(averages) + " |")
+
+
+if __name__ == "__main__":
+    main()
