@@ -265,3 +265,14 @@ def test_a_bad_export_is_one_line_before_any_model(invoke, ruler_book, tmp_path,
     assert result.exit_code == code, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
     assert ruler_book.read_text() == book_text()
+
+
+def test_plot_draws_the_scores_against_the_ratio_or_per_task(invoke, tiny_model_dir, ruler_book, tmp_path):
+    common = [str(ruler_book), "--tasks", "niah_single_1", "--lengths", "400", "--methods", "full,snapkv",
+              "--samples", "1", "--block", "64", "-n", "2", *tiny(tiny_model_dir)]
+    for budget, name in ((["--ratios", "0.5,0.75"], "ratios.png"), (["--cache", "64"], "tasks.png")):
+        result = invoke("ruler", *common, *budget, "--plot", str(tmp_path / name))
+        assert result.exit_code == 0, result.stderr
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+    refused = invoke("ruler", *common, "--plot", str(ruler_book))  # never over the book it reads
+    assert refused.exit_code == 2 and len(refused.stderr.strip().splitlines()) == 1

@@ -36,6 +36,12 @@ TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_
               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 
 
+#: ``--plot``: where the figure of the scores goes.
+PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Also draw the scores as a PNG at this path: the average "
+                                              "per method (95% interval) against the ratio with --ratios, else per "
+                                              "task; one panel per length.", show_default=False)]
+
+
 def ruler_ratios(text: str | None, cache_given: bool, one_shot: bool | None) -> list[float] | None:
     """``--ratios``: kvpress's compression ratios, each in (0, 1), instead of an explicit ``--cache``."""
     if text is None:
@@ -90,6 +96,7 @@ def ruler(
                                                 "each, as kvpress's pipeline takes them (context, question, answer "
                                                 "prefix, expected values), and read none (docs/ruler.md).",
                                                 show_default=False)] = None,
+    plot: PlotOpt = None,
     *,
     setup: Setup,
 ) -> None:
@@ -121,8 +128,10 @@ def ruler(
     per_method = method_options(method_list, option)
     if resume and rows is None:
         raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")
-    if rows is not None:
-        check_output(rows, "--rows")  # before the model loads
+    for flag, path in (("--rows", rows), ("--plot", plot)):
+        if path is not None:  # before the model loads, and apart from the book and the model
+            check_output(path, flag)
+    setup.check_outputs({"--rows": rows, "--plot": plot}, source)
     if export is not None:
         check_export(setup, source, export, rows=rows, json_out=json_out)
     documents = setup.documents(source)
@@ -132,7 +141,7 @@ def ruler(
         return
     _run(setup, documents, task_list, method_list, length_list, samples=samples, cache=cache, ratios=ratio_list,
          block=block_size, seed=seed, max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe,
-         options=per_method, bits=bits, recap=recap, json_out=json_out, rows=rows, resume=resume)
+         options=per_method, bits=bits, recap=recap, json_out=json_out, rows=rows, resume=resume, plot=plot)
 
 
 def check_export(setup: Setup, source: str, export: Path, *, rows: Path | None, json_out: bool) -> None:
@@ -183,7 +192,7 @@ def _digest(text: str) -> str:
 
 
 def _run(setup: Setup, documents, task_list, method_list, length_list, *, samples, cache, ratios, block, seed,
-         max_new_tokens, one_shot, probe, options, bits, recap, json_out, rows, resume) -> None:
+         max_new_tokens, one_shot, probe, options, bits, recap, json_out, rows, resume, plot) -> None:
     from kvcli.eval.ruler import RulerLog, run_ruler
     from kvcli.io.report import dumps, print_result
 
@@ -210,6 +219,10 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
         print_result(dumps({"model": loaded.name, **result.as_dict()}))
     else:
         print_result(score_table(result.scores(), loaded.name))
+    if plot is not None and result.trials:
+        from kvcli.eval.ruler_plot import plot_ruler
+
+        setup.note(f"wrote {plot_ruler(result.scores(), plot, loaded.name)}")
 
 
 def score_table(scores: list[dict], model: str) -> str:
