@@ -24,16 +24,12 @@ def load(path: str) -> list[dict]:
 
 def main() -> None:
     rows = [row for path in sys.argv[1:] for row in load(path)]
-    by_source: dict[str, set] = defaultdict(set)
+    cells: dict[str, dict[tuple, float]] = defaultdict(dict)
     for row in rows:
-        by_source[row["method"].startswith("kvpress:")].add((row["task"], row["length"], row["index"]))
-    shared = set.intersection(*by_source.values())
-    cells: dict[tuple, dict[str, float]] = defaultdict(dict)
-    for row in rows:
-        key = (row["task"], row["length"], row["index"])
-        if key in shared:
-            column = row["method"] if row["method"] == "full" else f"{row['method']} {row['ratio']}"
-            cells[column][key] = row["score"]
+        column = row["method"] if row["method"] == "full" else f"{row['method']} {row['ratio']}"
+        cells[column][(row["task"], row["length"], row["index"])] = row["score"]
+    shared = set.intersection(*(set(scores) for scores in cells.values()))
+    cells = {column: {key: v for key, v in scores.items() if key in shared} for column, scores in cells.items()}
     columns = sorted(cells, key=lambda c: (c != "full", c.split()[-1], c))
     tasks = sorted({task for task, _, _ in shared}, key=lambda t: (t.startswith("niah") is False, t))
     print(f"{len(shared)} samples ({len(tasks)} tasks) read by every column\n")
