@@ -276,3 +276,8 @@ def test_plot_draws_the_scores_against_the_ratio_or_per_task(invoke, tiny_model_
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
     refused = invoke("ruler", *common, "--plot", str(ruler_book))  # never over the book it reads
     assert refused.exit_code == 2 and len(refused.stderr.strip().splitlines()) == 1
+    target = tmp_path / "kept.txt"
+    target.write_text("not a plot")
+    (tmp_path / "link.png").symlink_to(target)  # a link at --plot is replaced, never written through
+    assert invoke("ruler", *common, "--cache", "64", "--plot", str(tmp_path / "link.png")).exit_code == 0
+    assert target.read_text() == "not a plot" and not (tmp_path / "link.png").is_symlink()

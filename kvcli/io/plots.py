@@ -38,10 +38,18 @@ def have_matplotlib() -> bool:
 def save_figure(fig, path: Path, tight: bool = True) -> Path:
     """Write ``fig`` as a PNG at ``path`` and free it (long grids draw many figures). ``tight=False`` for a
     figure laid out by matplotlib's constrained layout (a colour bar shared by panels), which
-    ``tight_layout`` would undo."""
+    ``tight_layout`` would undo. The file is replaced whole (:func:`kvcli.io.outputs.atomic_write`): a kill
+    leaves the old plot or the new one, and a link at ``path`` is replaced, never written through."""
+    import io
+
+    from kvcli.io.outputs import atomic_write
+
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if tight:
         fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
     pyplot().close(fig)
+    atomic_write(path, buffer.getvalue())
     return path
