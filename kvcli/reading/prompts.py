@@ -172,16 +172,15 @@ def encode_marked(tokenizer, text: str, part: str) -> tuple[list[int], tuple[int
     """:func:`encode` of ``text``, and the tokens ``(start, end)`` that cover the last occurrence of ``part`` in it
     (every token whose characters overlap it). None where ``part`` is empty or absent, or the tokenizer gives no
     character offsets (a slow tokenizer): then the caller treats the whole text as the part."""
-    ids = encode(tokenizer, text)
     at = text.rfind(part) if part else -1
-    if at < 0 or not ids:
-        return ids, None
-    try:
+    if at < 0:
+        return encode(tokenizer, text), None
+    try:  # encode's own call, with the characters each token covers
         encoded = tokenizer(text, add_special_tokens=False, verbose=False, return_offsets_mapping=True)
     except (NotImplementedError, ValueError, TypeError):  # slow tokenizers have no offsets
-        return ids, None
-    offsets = encoded.get("offset_mapping")
-    if offsets is None or list(encoded.input_ids) != ids:
+        return encode(tokenizer, text), None
+    ids, offsets = list(encoded.input_ids), encoded.get("offset_mapping")
+    if offsets is None:
         return ids, None
     covering = [i for i, (first, last) in enumerate(offsets) if first < at + len(part) and last > at]
     return ids, (covering[0], covering[-1] + 1) if covering else None
