@@ -131,9 +131,9 @@ def ruler(
     for flag, path in (("--rows", rows), ("--plot", plot)):
         if path is not None:  # before the model loads, and apart from the book and the model
             check_output(path, flag)
-    setup.check_outputs({"--rows": rows, "--plot": plot}, source)
     if export is not None:
-        check_export(setup, source, export, rows=rows, json_out=json_out)
+        check_export(export, rows=rows, json_out=json_out)
+    setup.check_outputs({"--rows": rows, "--plot": plot, "--export": export}, source)
     documents = setup.documents(source)
     if export is not None:
         _export(setup, documents, export, task_list, length_list, samples=samples, seed=seed,
@@ -144,7 +144,7 @@ def ruler(
          options=per_method, bits=bits, recap=recap, json_out=json_out, rows=rows, resume=resume, plot=plot)
 
 
-def check_export(setup: Setup, source: str, export: Path, *, rows: Path | None, json_out: bool) -> None:
+def check_export(export: Path, *, rows: Path | None, json_out: bool) -> None:
     """``--export`` writes the samples and reads none, so the outputs of a run (``--rows``, ``--resume``,
     ``--json``) are refused; the reading settings (methods, cache, ratios, ...) change no sample and are ignored,
     so a run's command line with ``--export`` added exports that run's samples."""
@@ -153,7 +153,6 @@ def check_export(setup: Setup, source: str, export: Path, *, rows: Path | None, 
     if rows is not None or json_out:
         raise UsageError("--export writes the samples and runs no trial: drop --rows, --resume and --json")
     check_output(export, "--export")
-    setup.check_outputs({"--export": export}, source)
 
 
 def _export(setup: Setup, documents, export: Path, task_list, length_list, *, samples, seed,
