@@ -2,13 +2,13 @@
 
 H2O's window is a whole block (every query of it adds to the accumulated scores), so the unfused path
 (:func:`kvcli.kv.attention.window_attention`) writes every query's scores over every key, casts them to fp32,
-softmaxes and sums them: on an 8B model at block 1,024 that is memory traffic for most of a plain forward's time.
+softmaxes and sums them: traffic that grows with the block's square (measured in docs/benchmarks.md, "GPU").
 Two kernels do the same sums from the queries and keys alone, in the manner of flash attention: the first
 finds each query's log-sum-exp over the keys it sees, the second adds ``exp(q.k - lse)`` over the queries for
 each key. The scores are computed twice and never stored; both kernels accumulate in fp32.
 
-Used on CUDA for bf16 and fp16 queries whose head size is a power of two, when Triton is importable; elsewhere
-:func:`window_sums` answers None and the caller takes the unfused path. The kernels also run on a CPU under
+Used on CUDA for bf16 and fp16 queries whose head size is a power of two, when Triton is importable
+(:func:`applies`); elsewhere the caller takes the unfused path. The kernels also run on a CPU under
 Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check them without a GPU.
 """
 
