@@ -98,8 +98,9 @@ def test_rows_resume_only_under_the_settings_that_made_them(invoke, tiny_model_d
     run = json.loads(rows.read_text().splitlines()[0])["run"]
     assert run["command"] == "ppl" and run["method"] == "streamingllm" and run["budget"] == 48 and run["format"] == 1
     before = rows.read_bytes()
+    made, other = run["dtype"], "bfloat16" if run["dtype"] == "torch.float32" else "float32"  # auto: per machine
     cases = [(["--method", "full"], "its method is 'streamingllm', this run's 'full'"),
-             (["--dtype", "bfloat16"], "its dtype is 'torch.float32', this run's 'torch.bfloat16'"),
+             (["--dtype", other], f"its dtype is {made!r}, this run's 'torch.{other}'"),
              (["--block", "32"], "its block is 16, this run's 32"),
              (["--kv-bits", "8"], "its kv_bits is 16, this run's 8")]
     for extra, message in cases:

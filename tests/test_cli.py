@@ -112,7 +112,7 @@ def test_both_module_entry_points_list_every_command(module):
     proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     names = [command.name or command.callback.__name__ for command in app.registered_commands]
-    assert len(names) == 13  # ppl, summarize, ask, needle, ruler, bench, bench-speed, analyze, methods, models,
+    assert len(names) == 14  # ppl, summarize, ask, read, needle, ruler, bench, bench-speed, analyze, methods, models,
     # presets, calibrate, adapt
     assert all(f" {name} " in proc.stdout for name in names)
 

@@ -14,7 +14,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from kvcli.cli import analyze, bench, cache, listing, needle, perplexity, pod, reading, ruler, speed
+from kvcli.cli import analyze, bench, cache, listing, needle, perplexity, pod, read, reading, ruler, speed
 from kvcli.errors import BudgetError, KvcliError, UsageError
 
 #: click's usage error as this Typer has it (its own copy of click in recent versions, click itself before):
@@ -89,6 +89,7 @@ def _options(version: bool = typer.Option(False, "--version", callback=_print_ve
 app.command()(perplexity.ppl)
 app.command()(reading.summarize)
 app.command()(reading.ask)
+app.command()(read.read)
 app.command()(needle.needle)
 app.command()(ruler.ruler)
 app.command()(bench.bench)

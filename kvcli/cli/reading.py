@@ -473,8 +473,11 @@ def summarize(
 @with_setup
 def ask(
     ctx: typer.Context,
-    source: SourceArg,
-    question: Annotated[str, typer.Argument(help="The question, answered from the document.")],
+    source: Annotated[str, typer.Argument(help="A text file, a folder of .txt files (read as one text; one by one "
+                                          "with --each), - for stdin, or a saved read (FILE.kvc, `kvcli read`).")],
+    question: Annotated[list[str] | None, typer.Argument(help="The question, answered from the document; several "
+                                                         "are answered in turn from one read.", show_default=False)
+                        ] = None,
     *,
     setup: Setup,
     read: ReadOptions,
@@ -483,15 +486,27 @@ def ask(
                                            "sentence.\") before it: for questions that want more than one "
                                            "sentence. Base models get their Question/Answer cue either way.")
                         ] = False,
+    questions_file: Annotated[Path | None, typer.Option("--questions", help="Also ask the questions in this file, "
+                                                        "one per line (blank lines skipped).")] = None,
+    save: Annotated[Path | None, typer.Option("--save", help="Read SOURCE once without the question, save the read "
+                                              "to this FILE.kvc (as `kvcli read` does), then answer from it.")
+                    ] = None,
 ) -> None:
     """Answer QUESTION about SOURCE; the question steers which tokens the compressed cache keeps.
 
     A document too long for one forward is streamed in blocks, and the passages the question pointed at
-    are read once more before it (--recap).
+    are read once more before it (--recap). Several questions, --save or a saved read (FILE.kvc) read the
+    document once without a question and answer each from that read (docs/reading.md#read-once-ask-many).
     """
+    from kvcli.cli.read import ask_many, collect_questions
     from kvcli.reading.prompts import question_instruction
+    from kvcli.reading.saved import is_saved_read
 
-    if not question.strip():
-        raise UsageError("the question is empty")
-    instruction = question_instruction(question, read.answer_prefix, frame=not no_frame)
-    read_and_write(ctx, source, Task("ask", instruction, {"question": question}), setup, read)
+    questions = collect_questions(question or [], questions_file)
+    if len(questions) > 1 or save is not None or is_saved_read(source):
+        if read.each:
+            raise UsageError("--each reads every document for one question: ask several questions without it")
+        ask_many(ctx, source, questions, setup, read, not no_frame, save)
+        return
+    instruction = question_instruction(questions[0], read.answer_prefix, frame=not no_frame)
+    read_and_write(ctx, source, Task("ask", instruction, {"question": questions[0]}), setup, read)

@@ -36,7 +36,6 @@ overwrites a checkpoint unless told to (:func:`claim`).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import hashlib
 import re
 import time
@@ -51,19 +50,11 @@ from kvcli.engine.engine import BlockStats, Engine, StreamState, StreamTotals
 from kvcli.errors import KvcliError, UsageError
 from kvcli.io.outputs import check_output
 from kvcli.io.statefile import load_state, save_state
-from kvcli.models.cache import file_sha256
-from kvcli.models.load import source_path
+from kvcli.models.fingerprint import fingerprint, library_versions, model_difference
 
 FILE = "state.pt"
 #: 3: the identity holds the model's fingerprint and the library releases (2: the model's name; 1: no content hash)
 FORMAT = 3
-#: The files of a model folder that make its numbers, by part: what ``from_pretrained`` reads from the folder's
-#: top level. Other files (a README, a licence, an ``original/`` copy of the weights) are not the model's.
-MODEL_FILES = {
-    "weights": ("*.safetensors", "*.bin", "*.gguf"),
-    "config": ("config.json",),
-    "tokenizer": ("tokenizer*", "vocab*", "merges*", "special_tokens_map.json", "added_tokens.json", "*.tiktoken"),
-}
 #: The only cache precision a checkpoint restores (:func:`check_restorable`).
 RESTORABLE_BITS = 16
 _SKIP = ("owner", "record")  # a layer's back-reference and its transient attention record
@@ -92,49 +83,6 @@ def identity(loaded, engine: Engine) -> dict:
             "block": engine.block, "dtype": str(loaded.dtype)}
 
 
-def fingerprint(spec: str) -> dict[str, str]:
-    """The SHA-256 of the model ``spec`` names, per part (weights, config, tokenizer): one GGUF file holds all
-    three; a folder's are its :data:`MODEL_FILES`; a Hugging Face id's are those of its downloaded snapshot.
-
-    Each file's hash is :func:`kvcli.models.cache.file_sha256`'s, which the model cache remembers against the file's
-    ``stat``, so a model is hashed once (when first checkpointed), not again on every resume.
-    """
-    path = source_path(spec)
-    if not path.exists():
-        path = _snapshot(spec)
-    if path.is_file():
-        digest = file_sha256(path)
-        return dict.fromkeys(MODEL_FILES, digest)
-    files = sorted(item for item in path.iterdir() if item.is_file() and not item.name.startswith("."))
-    parts = {}
-    for part, patterns in MODEL_FILES.items():
-        digest = hashlib.sha256()
-        for item in files:
-            if any(fnmatch.fnmatch(item.name, pattern) for pattern in patterns):
-                digest.update(f"{item.name}\t{file_sha256(item)}\n".encode())
-        parts[part] = digest.hexdigest()
-    return parts
-
-
-def _snapshot(spec: str) -> Path:
-    """The folder of the Hugging Face model ``spec`` as downloaded (it was, to load): never the network."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(spec, local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - whatever the hub library raises, the answer is the same line
-        raise KvcliError(f"--checkpoint: cannot find the files of {spec} to fingerprint them "
-                         f"({type(exc).__name__})") from None
-
-
-def library_versions() -> dict[str, str]:
-    """The releases (major.minor) of the libraries whose kernels and model code make a checkpoint's numbers."""
-    import transformers
-
-    return {name: ".".join(version.split("+")[0].split(".")[:2])
-            for name, version in (("torch", torch.__version__), ("transformers", transformers.__version__))}
-
-
 def check_restorable(kv_bits: int) -> None:
     """Refuse to checkpoint a cache a checkpoint cannot restore: a quantized one holds packed objects, and a
     checkpoint is data only (tensors, numbers, strings). Called before anything runs."""
@@ -145,12 +93,8 @@ def check_restorable(kv_bits: int) -> None:
 
 def difference(key: str, saved, current) -> str:
     """One clause saying how a checkpoint's identity ``saved`` differs from this run's ``current`` at ``key``."""
-    if key == "model" and isinstance(saved, dict):
-        for part in MODEL_FILES:
-            if saved.get(part) != current.get(part):
-                verb = "differ" if part == "weights" else "differs"
-                return (f"the model's {part} {verb} from the checkpoint's (sha256 {str(saved.get(part))[:12]}... "
-                        f"in the checkpoint, {current[part][:12]}... now)")
+    if key == "model" and (clause := model_difference(saved, current, "the checkpoint")):
+        return clause
     if key == "libraries" and isinstance(saved, dict):
         changed = [name for name in current if saved.get(name) != current[name]]
         if changed:

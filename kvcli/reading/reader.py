@@ -137,44 +137,50 @@ class Reader:
                 result: Generation, probe: bool, started: float) -> torch.Tensor:
         """The prompt in blocks of the engine's size, compressed after each, with the question as the probe
         of every block (``probe``), then the recap, and the question at the end of the last block."""
-        block = self.engine.block
         suffix = parts.suffix
         probe_ids = torch.tensor([suffix], dtype=torch.long) if probe and suffix else None
         recap = Recap(self.recap, first=len(parts.prefix)) if self.recap and probe_ids is not None else None
         pending = buffered
-        read = 0
+        read = self.read_blocks(cache, pending, _chain([[]], rest), result, started, probe=probe_ids, recap=recap,
+                                span=parts.question_span)
+        document = read + len(pending) - len(parts.prefix)
+        held = len(suffix)
+        if recap is not None and (again := recap.passages(word_joins(self.tokenizer))):
+            result.recap_tokens = len(again)
+            read = self.read_blocks(cache, pending, [encode(self.tokenizer, RECAP_SEPARATOR) + again], result,
+                                    started, read=read, probe=probe_ids, span=parts.question_span)
+            held += len(pending)  # the last block, the recap in it, stays with the question
+        return self.finish(cache, pending, parts, result, read, document, held, started)
 
-        def blocks(observer: Recap | None) -> None:
-            # Keep at least one token back: the last block goes through with the suffix.
-            nonlocal read
-            while len(pending) > block:
+    def read_blocks(self, cache, pending: list[int], chunks: Iterable[list[int]], result: Generation,
+                    started: float, *, read: int = 0, probe: torch.Tensor | None = None, recap: Recap | None = None,
+                    span: tuple[int, int] | None = None) -> int:
+        """Add ``chunks`` to ``pending`` and read every whole block of it but the last (which goes through with
+        the question), ``probe`` scoring each and ``recap`` observing it; return the tokens read so far (``read``
+        before). ``pending`` is left holding the 1 to ``block`` tokens not read yet."""
+        block = self.engine.block
+        for chunk in chunks:
+            pending.extend(chunk)
+            while len(pending) > block:  # keep at least one token back for the last block
                 ids = pending[:block]
-                seen = partial(observer.observe, ids=ids, start=cache.stream_start) if observer else None
-                self._forward(cache, ids, probe_ids, result, last_only=True, observe=seen, span=parts.question_span)
+                seen = partial(recap.observe, ids=ids, start=cache.stream_start) if recap else None
+                self._forward(cache, ids, probe, result, last_only=True, observe=seen, span=span)
                 read += len(ids)
                 del pending[:block]
                 self._progress(read, cache, started)
+        return read
 
-        for chunk in _chain([pending], rest):
-            if chunk is not pending:
-                pending.extend(chunk)
-            blocks(recap)
-        document = read + len(pending) - len(parts.prefix)
-        asked = len(suffix) if probe_ids is not None else 0
-        held = asked
-        if recap is not None and (again := recap.passages(word_joins(self.tokenizer))):
-            result.recap_tokens = len(again)
-            pending.extend(encode(self.tokenizer, RECAP_SEPARATOR) + again)
-            blocks(None)
-            held += len(pending)  # the last block, the recap in it, stays with the question
-        total = read + len(pending) + len(suffix)
-        result.prompt_tokens = total
+    def finish(self, cache, pending: list[int], parts: PromptParts, result: Generation, read: int, document: int,
+               held: int, started: float) -> torch.Tensor:
+        """The last block: the document's ``pending`` tokens and the question (``parts.suffix``), whose own queries
+        score the last compression (as a probe scored every one before it, when there was one) and whose last
+        ``held`` tokens stay; the last prompt token's hidden states."""
+        suffix = parts.suffix
+        result.prompt_tokens = read + len(pending) + len(suffix)
         result.document_tokens = document
-        # The question ends this block: its own queries score the last compression, as the probe scored
-        # every compression before it (with --no-probe the block's own window decides).
-        hidden = self._forward(cache, pending + suffix, None, result, last_only=True, question=asked, held=held,
-                               span=parts.question_span)
-        self._progress(total, cache, started)
+        hidden = self._forward(cache, pending + suffix, None, result, last_only=True, question=len(suffix),
+                               held=held, span=parts.question_span)
+        self._progress(result.prompt_tokens, cache, started)
         return hidden
 
     def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,

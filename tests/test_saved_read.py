@@ -1,0 +1,167 @@
+"""Read once, ask many (issue #54): `kvcli read`, `kvcli ask FILE.kvc`, several questions, `--save`.
+
+A saved read's answer is the answer of a fresh `ask --no-probe --no-one-shot` with the same options (the read
+knows no question, the last block goes through with it); a file of another model, a damaged or crafted file,
+options the read fixed: one line each, nothing run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+QUESTIONS = ["Who was tired?", "What was her sister reading?"]
+
+
+@pytest.fixture(autouse=True)
+def _no_user_presets(config_home):
+    """Every test here sees the built-in presets only."""
+
+
+def options(model_dir, method: str = "treekv", *extra: str) -> list[str]:
+    return ["--model", str(model_dir), "--quiet", "--method", method, "--cache", "64", "--block", "32", *extra]
+
+
+ANSWER = ["--max-new-tokens", "12"]
+
+
+def fresh_answer(invoke, book, model_dir, question: str, method: str, *extra: str) -> str:
+    result = invoke("ask", str(book), question, *options(model_dir, method, *extra), *ANSWER, "--no-probe",
+                    "--no-one-shot", "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)["answer"]
+
+
+@pytest.mark.parametrize(("method", "extra"), [("treekv", ()), ("snapkv", ()), ("streamingllm", ("--kv-bits", "4"))])
+def test_saved_read_answers_as_a_fresh_ask_without_probe(invoke, tiny_model_dir, book, tmp_path, method, extra):
+    saved = tmp_path / "book.kvc"
+    made = invoke("read", str(book), "--out", str(saved), *options(tiny_model_dir, method, *extra), "--json")
+    assert made.exit_code == 0, made.stderr
+    info = json.loads(made.stdout)
+    assert info["file_bytes"] == saved.stat().st_size and info["document_tokens"] > 32 * 3
+    assert 1 <= info["pending_tokens"] <= 32 and info["max_cache_tokens"] <= 64 + 32
+
+    asked = invoke("ask", str(saved), *QUESTIONS, "--model", str(tiny_model_dir), "--quiet", "--max-new-tokens", "12",
+                   "--json")
+    assert asked.exit_code == 0, asked.stderr
+    answers = json.loads(asked.stdout)["answers"]
+    assert [row["question"] for row in answers] == QUESTIONS
+    for row in answers:  # each question starts from the same saved cache, so order does not matter
+        assert row["answer"] == fresh_answer(invoke, book, tiny_model_dir, row["question"], method, *extra)
+
+
+def test_several_questions_and_save_read_once(invoke, tiny_model_dir, book, tmp_path):
+    saved = tmp_path / "once.kvc"
+    both = invoke("ask", str(book), *QUESTIONS, *options(tiny_model_dir), *ANSWER, "--save", str(saved))
+    assert both.exit_code == 0, both.stderr
+    assert [line for line in both.stdout.splitlines() if line.startswith("Q: ")] == [f"Q: {q}" for q in QUESTIONS]
+    assert both.stdout.count("\nA: ") == 2
+    again = invoke("ask", str(saved), *QUESTIONS, "--model", str(tiny_model_dir), "--quiet", "--max-new-tokens", "12")
+    assert again.exit_code == 0 and again.stdout == both.stdout
+
+
+def test_questions_from_a_file(invoke, tiny_model_dir, book, tmp_path):
+    listed = tmp_path / "questions.txt"
+    listed.write_text(f"{QUESTIONS[0]}\n\n  {QUESTIONS[1]}  \n", encoding="utf-8")
+    result = invoke("ask", str(book), "--questions", str(listed), *options(tiny_model_dir), *ANSWER, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert [row["question"] for row in json.loads(result.stdout)["answers"]] == QUESTIONS
+
+
+@pytest.fixture()
+def saved(invoke, tiny_model_dir, book, tmp_path):
+    path = tmp_path / "book.kvc"
+    assert invoke("read", str(book), "--out", str(path), *options(tiny_model_dir)).exit_code == 0
+    return path
+
+
+def one_line_error(result, code: int = 1) -> str:
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("kvcli: error:")
+    return result.stderr
+
+
+def test_another_model_is_refused(invoke, saved, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for item in tiny_model_dir.iterdir():
+        (other / item.name).write_bytes(item.read_bytes())
+    weights = next(other.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, weights, metadata={"format": "pt"})
+    error = one_line_error(invoke("ask", str(saved), "Who?", "--model", str(other)))
+    assert "weights differ" in error
+
+
+def test_damaged_and_crafted_files_are_one_line(invoke, saved, tiny_model_dir, tmp_path):
+    from safetensors.torch import save
+
+    raw = saved.read_bytes()
+    cut = tmp_path / "cut.kvc"
+    cut.write_bytes(raw[: len(raw) // 2])
+    assert "damaged" in one_line_error(invoke("ask", str(cut), "Who?", "--model", str(tiny_model_dir)))
+    flipped = tmp_path / "flipped.kvc"
+    flipped.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    assert "checksum" in one_line_error(invoke("ask", str(flipped), "Who?", "--model", str(tiny_model_dir)))
+    pickled = tmp_path / "pickle.kvc"
+    torch.save({"a": 1}, pickled)
+    assert "not a saved read" in one_line_error(invoke("ask", str(pickled), "Who?"))
+    foreign = tmp_path / "foreign.kvc"
+    foreign.write_bytes(save({"x": torch.zeros(2)}))
+    assert "no kvcli-read header" in one_line_error(invoke("ask", str(foreign), "Who?"))
+    # A header that is consistent (its checksum matches) but names tensors the file lacks.
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    data = save({"x": torch.zeros(2)})
+    body = data[8 + int.from_bytes(data[:8], "little"):]
+    meta = json.loads(header["__metadata__"]["kvcli-read"])
+    meta["data_sha256"] = hashlib.sha256(body).hexdigest()
+    crafted = tmp_path / "crafted.kvc"
+    crafted.write_bytes(save({"x": torch.zeros(2)}, metadata={"kvcli-read": json.dumps(meta)}))
+    assert "saved read" in one_line_error(invoke("ask", str(crafted), "Who?", "--model", str(tiny_model_dir)))
+
+
+@pytest.mark.parametrize("option", [["--method", "snapkv"], ["--cache", "128"], ["--kv-bits", "8"], ["--recap", "512"],
+                                    ["--probe"], ["--one-shot"]])
+def test_options_a_saved_read_fixes_are_refused(invoke, saved, tiny_model_dir, option):
+    error = one_line_error(invoke("ask", str(saved), "Who?", "--model", str(tiny_model_dir), *option), code=2)
+    assert option[0] in error
+
+
+def test_out_must_be_a_kvc_file_apart_from_the_source(invoke, tiny_model_dir, book, tmp_path):
+    assert ".kvc" in one_line_error(invoke("read", str(book), "--out", str(tmp_path / "x.bin")), code=2)
+    assert not (tmp_path / "x.bin").exists()
+    folder = tmp_path / "books"
+    folder.mkdir()
+    inside = folder / "a.kvc"
+    inside.write_text("not a book but a file of the source folder\n")
+    one_line_error(invoke("read", str(folder), "--out", str(inside), "--model", str(tiny_model_dir)), code=2)
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "h2o", "tova", "snapkv", "pyramidkv", "pyramidinfer", "treekv",
+                                    "full"])
+def test_every_method_round_trips_through_a_file(tiny_model_dir, tmp_path, method):
+    """Library level: the cache restored from a file holds every tensor the read left, bit for bit."""
+    from kvcli import Engine, load_model, make_method
+    from kvcli.kv.snapshot import snapshot_cache
+    from kvcli.reading.reader import Reader
+    from kvcli.reading.saved import ReadState, read_once
+
+    loaded = load_model(str(tiny_model_dir))
+    engine = Engine(loaded.model, make_method(method), None if method == "full" else 48, block=16)
+    state = read_once(Reader(engine, loaded.tokenizer), [list(range(5, 90)), list(range(10, 70))])
+    state.save(tmp_path / "x.kvc")
+    again = ReadState.load(tmp_path / "x.kvc")
+    tensors, facts = snapshot_cache(again.cache(engine))
+    assert facts == state.facts and set(tensors) == set(state.tensors)
+    assert all(torch.equal(tensors[name], state.tensors[name]) for name in tensors)
+    assert again.pending == state.pending and 1 <= len(again.pending) <= 16
+    assert again.document_tokens == 85 + 60 and again.read_tokens + len(again.pending) == len(again.prefix) + 145
