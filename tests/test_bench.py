@@ -9,6 +9,7 @@ import pytest
 import kvcli.eval.bench.grid
 import kvcli.eval.bench.plots
 from kvcli.eval.bench import RunSpec, plan_grid, plot_results, smooth_curve
+from kvcli.kv.quant import POSITION_BYTES
 
 RUN_KEYS = {"model", "source", "method", "params", "cache", "block", "tokens", "nll", "ppl", "bits_per_byte", "bytes",
             "kv_cache_bytes", "full_kv_cache_bytes", "max_cache_tokens", "peak_memory_bytes", "seconds",
@@ -43,7 +44,8 @@ def test_grid_writes_results_table_and_plots(invoke, tiny_model_dir, alice, tmp_
         assert run["curve"][-1][0] == 200 and len(run["curve"]) == 13  # 201 tokens in blocks of 16
         if run["cache"] is not None:
             assert run["max_cache_tokens"] <= run["cache"] and run["kv_cache_bytes"] < run["full_kv_cache_bytes"]
-    assert runs[0]["kv_cache_bytes"] == runs[0]["full_kv_cache_bytes"]
+    # full holds every key and value an uncompressed cache holds, and each token's positions (2 layers, 2 KV heads)
+    assert runs[0]["kv_cache_bytes"] == runs[0]["full_kv_cache_bytes"] + 201 * 2 * 2 * POSITION_BYTES
     # KL against the one full-attention reference beside results.json: full matches it exactly
     assert (out / "reference.kvlogits").is_file()
     assert runs[0]["kl_mean"] == 0.0 and runs[0]["same_top"] == 1.0 and runs[0]["kl_tokens"] == 200

@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvcli.engine.engine import Engine, blocks_of
 from kvcli.kv.cache import rotate_keys
+from kvcli.kv.quant import POSITION_BYTES
 from kvcli.methods import make_method
 from kvcli.methods.pod.groups import GroupsFile
 from kvcli.models.load import tiny_llama
@@ -109,7 +110,8 @@ def test_streamingllm_keeps_sinks_and_recent_and_stays_bounded(model):
     assert max(seen) == 32 and math.isfinite(totals.nll)
     kept = cache.layers[0].token_idx[0].tolist()
     assert kept == [0, 1, 2] + list(range(95 - 29, 95))
-    assert cache.nbytes() == 2 * 2 * 32 * 2 * 16 * 4  # layers x (K,V) x tokens x kv heads x head_dim x fp32
+    # layers x tokens x kv heads x (K and V of head_dim in fp32, and the positions)
+    assert cache.nbytes() == 2 * 32 * 2 * (2 * 16 * 4 + POSITION_BYTES)
 
 
 def test_positions_stay_bounded_far_past_the_trained_context(model):

@@ -34,6 +34,7 @@ from kvcli.errors import UnsupportedModelError
 from kvcli.kv.architecture import describe
 from kvcli.kv.attention import ATTENTION_NAME, register_attention
 from kvcli.kv.cache import rotate_keys
+from kvcli.kv.quant import POSITION_BYTES
 from kvcli.methods import METHODS, make_method
 from kvcli.methods.pod.groups import GroupsFile, ModelShape
 
@@ -300,7 +301,8 @@ def test_window_layers_cost_no_budget_and_the_bytes_drop(models):
     totals = engine.score([stream_ids(120, seed=1).tolist()], cache=cache)
     assert cache.lengths() == [WINDOW - 1, WINDOW - 1, 40]
     assert totals.max_cache_tokens == 40 and engine.budgets == [None, None, 40]
-    per_token_layer = 2 * model.config.num_key_value_heads * model.config.head_dim * 4  # K and V, fp32
+    kv_heads = model.config.num_key_value_heads
+    per_token_layer = kv_heads * (2 * model.config.head_dim * 4 + POSITION_BYTES)  # K and V in fp32, positions
     assert totals.kv_cache_bytes == per_token_layer * (2 * (WINDOW - 1) + 40)
     assert totals.kv_cache_bytes < per_token_layer * 3 * 40
 

@@ -14,6 +14,7 @@ from kvcli.engine.engine import Engine
 from kvcli.errors import UsageError
 from kvcli.eval.analysis.calibrate import calibrate, sample_sequences
 from kvcli.kv.attention import explicit_attention
+from kvcli.kv.quant import POSITION_BYTES, token_costs
 from kvcli.methods import METHODS, make_method
 from kvcli.methods.full import Full
 from kvcli.methods.pod.attention import (
@@ -258,6 +259,7 @@ def test_distant_keys_are_freed_outside_the_lead_layer():
         assert layer.near_keys.shape[:3] == (1, others, sinks + recent - 1 if others else 0)  # freed, not masked
         assert layer.values.shape[:3] == (1, 2, 100)
         expected += (2 * 100 + leads * 100 + others * (sinks + recent - 1)) * head_dim * element
+        expected += 2 * 100 * POSITION_BYTES  # every token's positions in both KV heads
     assert cache.nbytes() == expected
     full_bytes = 2 * 4 * 2 * 100 * head_dim * element
     # 4 (head, layer) pairs of 8 keep all keys: keys of distant tokens shrink to half
@@ -428,7 +430,7 @@ def test_pod_selection_shares_the_leads_choice_and_holds_fewer_bytes(select):
 def test_equal_bytes_budget_keeps_more_tokens_in_no_more_bytes():
     model = tiny()
     groups = groups_for(model)
-    budget = groups.equal_bytes_budget(48, 4, 8)
+    budget = groups.equal_bytes_budget(48, 4, 8, token_costs(model.config, 16, torch.float32, extra=POSITION_BYTES))
     assert budget > 48
     ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(10))
     _, cache = run_budget(model, make_method("pod", {"groups": groups, "sinks": 4, "recent": 8,
@@ -441,12 +443,14 @@ def test_budget_for_bytes_gives_pod_selection_more_tokens_in_the_same_bytes():
     from kvcli.engine.engine import budget_for_bytes, kv_bytes_per_token
 
     model = tiny()
-    nbytes = 48 * kv_bytes_per_token(model, torch.float32) + 5  # a few bytes short of 49 tokens
+    positions = model.config.num_hidden_layers * model.config.num_key_value_heads * POSITION_BYTES
+    nbytes = 48 * (kv_bytes_per_token(model, torch.float32) + positions) + 5  # a few bytes short of 49 tokens
     groups = groups_for(model)
     pod = make_method("pod", {"groups": groups, "sinks": 4, "recent": 8, "select": "snapkv"})
     assert pod.layer_groups(model.config).groups == groups.groups  # no stored similarity: the file's own groups
     assert budget_for_bytes(make_method("snapkv"), model, nbytes, torch.float32) == 48
-    assert budget_for_bytes(pod, model, nbytes, torch.float32) == groups.equal_bytes_budget(48, 4, 8)
+    costs = token_costs(model.config, 16, torch.float32, extra=POSITION_BYTES)
+    assert budget_for_bytes(pod, model, nbytes, torch.float32) == groups.equal_bytes_budget(48, 4, 8, costs)
     assert budget_for_bytes(make_method("pod", {"groups": groups}), model, nbytes, torch.float32) == 48
     with pytest.raises(UsageError, match="cannot hold one token"):
         budget_for_bytes(make_method("snapkv"), model, 10, torch.float32)
@@ -568,7 +572,32 @@ def test_calibrate_and_adapt_commands_on_the_tiny_model(invoke, tmp_path, tiny_m
                     "--max-tokens", 100, "--quiet", "--json")
     assert scored.exit_code == 0, scored.stderr
     report = json.loads(scored.stdout)
-    assert report["cache"] is None and report["kv_cache_bytes"] < report["full_kv_cache_bytes"]
+    kept = invoke("ppl", book, "--model", out, "--method", "full", "--max-tokens", 100, "--quiet", "--json")
+    assert report["cache"] is None and report["kv_cache_bytes"] < json.loads(kept.stdout)["kv_cache_bytes"]
     bad = invoke("adapt", "--model", tiny_model_dir, "--data", book, "--tokens", 128, "--seq-len", 64, "--sinks", 2,
                  "--recent", 8, "--out", out, "--quiet")
     assert bad.exit_code != 0 and "ships no PoD groups" in bad.stderr
+
+
+@pytest.mark.parametrize("select", ["snapkv", "h2o"])
+def test_cache_bytes_never_buy_pod_more_than_asked_at_any_bit_width(select):
+    """PoD with a selection keeps more tokens in the same bytes; its proximal keys at full precision, its values and
+    every token's positions (and the selection's scores) are paid for, so ``--cache-bytes`` is never exceeded, and
+    ``nbytes`` is every byte of every tensor the cache holds."""
+    from kvcli.engine.engine import budget_for_bytes
+    from kvcli.kv.snapshot import snapshot_cache
+
+    model = tiny()
+    ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(6))
+    nbytes = 60_000
+    for bits in (16, 8, 4, 2):
+        pod = make_method("pod", {"groups": groups_for(model), "sinks": 4, "recent": 8, "select": select})
+        budget = budget_for_bytes(pod, model, nbytes, torch.float32, bits)
+        assert budget > budget_for_bytes(make_method(select), model, nbytes, torch.float32, bits)
+        engine = Engine(model, pod, budget, block=32, kv_bits=bits, warn=lambda message: None)
+        cache = engine.new_cache()
+        for start in range(0, ids.shape[1], 32):
+            engine.forward(cache, ids[:, start:start + 32])
+        tensors, _ = snapshot_cache(cache)
+        assert cache.nbytes() == sum(t.numel() * t.element_size() for t in tensors.values()), bits
+        assert cache.nbytes() <= nbytes, (bits, cache.nbytes())

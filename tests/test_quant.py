@@ -14,6 +14,7 @@ from kvcli.kv.quant import (
     FP16_MAX,
     KVQuant,
     QuantizedTokens,
+    bookkeeping_bytes,
     cache_bytes,
     check_kv_bits,
     check_kv_keys,
@@ -171,7 +172,8 @@ def test_channel_key_cache_bytes_match_the_store():
     for bits in (8, 4, 2):
         engine = Engine(model, make_method("streamingllm", {}), 96, block=32, kv_bits=bits, kv_keys="channel")
         totals = engine.score([ids])
-        assert totals.kv_cache_bytes == cache_bytes(model.config, 96, bits, torch.bfloat16, "channel")
+        expected = cache_bytes(model.config, 96, bits, torch.bfloat16, "channel", bookkeeping_bytes())
+        assert totals.kv_cache_bytes == expected
     assert KVQuant(2).key_mode == "channel" and KVQuant(4).key_mode == "token"
     assert check_kv_keys("auto") is None and check_kv_keys("channel") == "channel"
     with pytest.raises(UsageError, match="--kv-keys must be auto, token or channel"):
@@ -220,19 +222,22 @@ def test_a_quantized_cache_costs_what_cache_bytes_predicts():
     for bits in (16, 8, 4, 2):
         engine = Engine(model, make_method("treekv", {}), 96, block=32, kv_bits=bits)
         totals = engine.score([ids])
-        assert totals.kv_cache_bytes == cache_bytes(model.config, 96, bits, torch.bfloat16)
+        extra = bookkeeping_bytes(engine.method.token_states)  # positions, and TreeKV's score and count
+        assert totals.kv_cache_bytes == cache_bytes(model.config, 96, bits, torch.bfloat16, extra=extra)
 
 
 def test_cache_bytes_buys_more_tokens_at_fewer_bits():
     model = tiny()
     method = make_method("treekv", {})
-    nbytes = cache_bytes(model.config, 512, 16, torch.bfloat16)
+    extra = bookkeeping_bytes(method.token_states)
+    nbytes = cache_bytes(model.config, 512, 16, torch.bfloat16, extra=extra)
     budgets = {bits: budget_for_bytes(method, model, nbytes, torch.bfloat16, bits) for bits in (16, 8, 4, 2)}
     assert budgets[16] == 512
-    assert budgets[4] >= 3 * budgets[16] and budgets[2] > budgets[4] > budgets[8] > budgets[16]
+    # Head dim 32: 128 bytes a token and head at 16 bits, 24 of bookkeeping (positions, TreeKV's two scores).
+    assert budgets[4] >= 2 * budgets[16] and budgets[2] > budgets[4] > budgets[8] > budgets[16]
     for bits, budget in budgets.items():
-        assert cache_bytes(model.config, budget, bits, torch.bfloat16) <= nbytes
-        assert cache_bytes(model.config, budget + 1, bits, torch.bfloat16) > nbytes
+        assert cache_bytes(model.config, budget, bits, torch.bfloat16, extra=extra) <= nbytes
+        assert cache_bytes(model.config, budget + 1, bits, torch.bfloat16, extra=extra) > nbytes
     assert tokens_for_bytes(model.config, 10, 4, torch.bfloat16) == 0
 
 
@@ -306,3 +311,25 @@ def test_bench_grid_has_kv_bits_as_an_axis_and_old_runs_are_16_bits():
     assert specs[-1].label == "treekv · cache 64 · 4-bit"
     old = {"method": "treekv", "cache": 64, "params": {}}  # a results.json row from before --kv-bits
     assert run_key(old) == run_key({**old, "kv_bits": 16}) != run_key({**old, "kv_bits": 4})
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "treekv", "snapkv", "pyramidkv", "h2o", "tova", "pyramidinfer"])
+def test_cache_bytes_count_every_tensor_held_and_stay_within_the_budget(method):
+    """``kv_cache_bytes`` is every byte the cache holds (keys and values, packed or not, positions, stream indices,
+    a method's per-token scores: what a saved read stores), and ``--cache-bytes`` never buys more than asked."""
+    from kvcli.kv.snapshot import snapshot_cache
+
+    model = tiny()
+    ids = torch.randint(0, 128, (1, 320), generator=torch.Generator().manual_seed(5))
+    nbytes = 40_000
+    for bits in (16, 8, 4, 2):
+        made = make_method(method, {})
+        engine = Engine(model, made, budget_for_bytes(made, model, nbytes, torch.bfloat16, bits), block=32,
+                        kv_bits=bits, warn=lambda message: None)
+        cache = engine.new_cache()
+        for start in range(0, ids.shape[1], 32):
+            engine.forward(cache, ids[:, start:start + 32])
+        tensors, _ = snapshot_cache(cache)
+        held = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert cache.nbytes() == held, (method, bits)
+        assert held <= nbytes, (method, bits, held)

@@ -165,3 +165,39 @@ def test_every_method_round_trips_through_a_file(tiny_model_dir, tmp_path, metho
     assert all(torch.equal(tensors[name], state.tensors[name]) for name in tensors)
     assert again.pending == state.pending and 1 <= len(again.pending) <= 16
     assert again.document_tokens == 85 + 60 and again.read_tokens + len(again.pending) == len(again.prefix) + 145
+
+
+def test_page_index_keeps_each_pages_channel_range():
+    from kvcli.reading.recall import PageIndex
+
+    index = PageIndex([1, 2], heads=2, dim=4, page=4)
+    keys = {layer: torch.randn(1, 10, 2 * 4) for layer in (1, 2)}  # k_proj's output: [1, n, heads * dim]
+    for start, stop in ((0, 6), (6, 10)):  # a page spans the two blocks
+        index._keys.update({layer: k[:, start:stop] for layer, k in keys.items()})
+        index.add(list(range(start, stop)))
+    tensors = index.tensors()
+    rows = torch.stack([keys[layer][0].reshape(10, 2, 4) for layer in (1, 2)], dim=1)  # [n, layers, heads, dim]
+    assert tensors["recall.low"].shape == (2, 2, 2, 4)  # two whole pages; the last two tokens wait for more
+    for page in range(2):
+        chunk = rows[4 * page:4 * page + 4]
+        assert torch.equal(tensors["recall.low"][page], chunk.amin(dim=0).half())
+        assert torch.equal(tensors["recall.high"][page], chunk.amax(dim=0).half())
+    assert tensors["recall.ids"].tolist() == list(range(10)) and index.facts()["usable"]
+
+
+def test_recall_reads_whole_pages_of_the_document_again(invoke, saved, tiny_model_dir):
+    from kvcli.reading.saved import ReadState
+
+    state = ReadState.load(saved)
+    page, ids = state.recall_facts["page"], state.recall_tensors["recall.ids"].tolist()
+    assert state.recall_facts["usable"] and len(ids) == state.read_tokens
+    asked = invoke("ask", str(saved), *QUESTIONS, "--model", str(tiny_model_dir), "--quiet", *ANSWER, "--recall", "64",
+                   "--json")
+    assert asked.exit_code == 0, asked.stderr
+    for row in json.loads(asked.stdout)["answers"]:
+        assert 0 < row["recall_tokens"] <= 64 and row["recall_tokens"] % page == 0
+    off = json.loads(invoke("ask", str(saved), *QUESTIONS, "--model", str(tiny_model_dir), "--quiet", *ANSWER,
+                            "--recall", "0", "--json").stdout)
+    assert all(row["recall_tokens"] == 0 for row in off["answers"])
+    assert "--recall goes with" in one_line_error(invoke("ask", str(saved.with_suffix(".txt")), "Who?", "--recall",
+                                                        "64"), code=2)

@@ -116,7 +116,7 @@ def report_read(state: ReadState, out: Path, size: int, loaded, engine, setup: S
 
 
 def ask_many(ctx: typer.Context, source: str, questions: list[str], setup: Setup, read: ReadOptions,
-             frame: bool, save: Path | None) -> None:
+             frame: bool, save: Path | None, recall: int = 0) -> None:
     """``kvcli ask`` from a saved read, or with several questions or ``--save``: one read without a question (or
     the saved one), then every question answered from it."""
     from kvcli.reading.saved import is_saved_read
@@ -141,7 +141,7 @@ def ask_many(ctx: typer.Context, source: str, questions: list[str], setup: Setup
         state, loaded, engine = read_source(source, setup, checked.method, read.cache, checked.block, checked.kv_bits)
         if save is not None:
             report_read(state, save, state.save(save), loaded, engine, setup, False)
-    answer_all(state, questions, loaded, engine, setup, read, frame)
+    answer_all(state, questions, loaded, engine, setup, read, frame, recall)
 
 
 def open_saved(ctx: typer.Context, path: Path, setup: Setup):
@@ -172,7 +172,7 @@ def open_saved(ctx: typer.Context, path: Path, setup: Setup):
 
 
 def answer_all(state: ReadState, questions: list[str], loaded, engine, setup: Setup, read: ReadOptions,
-               frame: bool) -> None:
+               frame: bool, recall: int = 0) -> None:
     """Every question answered from ``state``, in order: the text streamed on stdout (after ``Q: question`` when
     there are several), or one JSON object at the end with ``--json``; each answer's cost on stderr."""
     from kvcli.io.report import StdoutStream, dumps, peak_memory_bytes, print_result, reset_peak_memory
@@ -192,7 +192,7 @@ def answer_all(state: ReadState, questions: list[str], loaded, engine, setup: Se
         if out is not None:
             out.write((f"Q: {question}\nA: " if len(questions) > 1 else "") + read.answer_prefix)
         reset_peak_memory(loaded.device)
-        gen = answer(reader, state, parts, read.max_new_tokens, on_text=out.write if out else None)
+        gen = answer(reader, state, parts, read.max_new_tokens, on_text=out.write if out else None, recall=recall)
         peak = peak_memory_bytes(loaded.device)
         if out is not None:
             out.end()
@@ -200,7 +200,8 @@ def answer_all(state: ReadState, questions: list[str], loaded, engine, setup: Se
                 out.write("\n")
         rows.append({"question": question, "answer": (read.answer_prefix + gen.text).strip(),
                      "prompt_tokens": gen.prompt_tokens, "generated_tokens": gen.generated_tokens,
-                     "seconds": gen.seconds, "finish_reason": gen.finish_reason, "peak_memory_bytes": peak})
+                     "seconds": gen.seconds, "finish_reason": gen.finish_reason, "recall_tokens": gen.recap_tokens,
+                     "peak_memory_bytes": peak})
         setup.note(answer_summary(gen, state, loaded, engine, peak))
         if gen.finish_reason == "interrupted":
             break

@@ -491,6 +491,10 @@ def ask(
     save: Annotated[Path | None, typer.Option("--save", help="Read SOURCE once without the question, save the read "
                                               "to this FILE.kvc (as `kvcli read` does), then answer from it.")
                     ] = None,
+    recall: Annotated[int, typer.Option("--recall", help="With a read made without the question (FILE.kvc, several "
+                                        "questions, --save): first read again at most this many tokens of the pages "
+                                        "the question points at (beyond the papers; docs/reading.md). 0 = off.")
+                      ] = 0,
 ) -> None:
     """Answer QUESTION about SOURCE; the question steers which tokens the compressed cache keeps.
 
@@ -503,10 +507,15 @@ def ask(
     from kvcli.reading.saved import is_saved_read
 
     questions = collect_questions(question or [], questions_file)
+    if recall < 0:
+        raise UsageError(f"--recall must be 0 (off) or a number of tokens, not {recall}")
     if len(questions) > 1 or save is not None or is_saved_read(source):
         if read.each:
             raise UsageError("--each reads every document for one question: ask several questions without it")
-        ask_many(ctx, source, questions, setup, read, not no_frame, save)
+        ask_many(ctx, source, questions, setup, read, not no_frame, save, recall)
         return
+    if recall:
+        raise UsageError("--recall goes with a read made without the question: a saved read (FILE.kvc), several "
+                         "questions or --save")
     instruction = question_instruction(questions[0], read.answer_prefix, frame=not no_frame)
     read_and_write(ctx, source, Task("ask", instruction, {"question": questions[0]}), setup, read)

@@ -88,15 +88,18 @@ def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype:
     A plain cache of B tokens per layer costs B times :func:`kv_bytes_per_token`; a method that stores
     fewer keys per token turns those bytes into more tokens (:meth:`Method.equal_bytes_budget`).
     At ``kv_bits`` below 16 a token costs its packed bytes, scales and zero points, and the full-precision
-    residual is paid for (:func:`kvcli.kv.quant.tokens_for_bytes`), keys rounded the ``kv_keys`` way.
+    residual is paid for (:func:`kvcli.kv.quant.tokens_for_bytes`), keys rounded the ``kv_keys`` way. Every token
+    also pays its bookkeeping (positions and the method's per-token state, :func:`kvcli.kv.quant.bookkeeping_bytes`).
     """
-    from kvcli.kv.quant import tokens_for_bytes
+    from kvcli.kv.quant import bookkeeping_bytes, token_costs, tokens_for_bytes
 
     per_token = kv_bytes_per_token(model, dtype)
-    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype, key_mode(method, kv_bits, kv_keys))
+    extra = bookkeeping_bytes(method.token_states)
+    keys = key_mode(method, kv_bits, kv_keys)
+    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype, keys, extra)
     if plain < 1:
         raise UsageError(f"{nbytes:,} bytes cannot hold one token per layer ({per_token:,} bytes per token)")
-    return method.equal_bytes_budget(plain, model.config)
+    return method.equal_bytes_budget(plain, model.config, token_costs(model.config, kv_bits, dtype, keys, extra))
 
 
 class Engine(BlockScorer):
@@ -195,6 +198,18 @@ class Engine(BlockScorer):
             for layer in cache.layers:
                 layer.record = None
         return hidden[0]
+
+    @torch.inference_mode()
+    def probe(self, cache: KVCache, ids: torch.Tensor) -> None:
+        """Run ``ids`` ``[1, n]`` after ``cache`` without storing them, recording or compressing anything: a pass
+        whose activations a caller reads through hooks (the queries of a question, :mod:`kvcli.reading.recall`)."""
+        cache.score_window, cache.score_skip = 0, 0
+        try:
+            self._run(cache, ids, store=False)
+        finally:
+            cache.waiting.clear()
+            for layer in cache.layers:
+                layer.record = None
 
     def compresses(self) -> bool:
         """Whether a forward compresses at all: the method has a budget and some layer is governed by it."""

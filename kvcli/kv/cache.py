@@ -41,7 +41,11 @@ from kvcli.kv.quant import KVQuant, stored
 from kvcli.kv.rope import rotate_keys
 from kvcli.kv.storage import LayerStorage
 
-__all__ = ["AttentionRecord", "CompressedLayer", "KVCache", "LayerView", "WindowLayer", "rotate_keys"]
+__all__ = ["POSITION_DTYPE", "AttentionRecord", "CompressedLayer", "KVCache", "LayerView", "WindowLayer", "rotate_keys"]
+
+#: The dtype of every cached token's entry position and stream index: 4 bytes each, per layer and KV head (a stream
+#: of 2**31 tokens is far beyond any book, and the budget pays for every byte: kvcli.kv.quant.POSITION_BYTES).
+POSITION_DTYPE = torch.int32
 
 
 @dataclass
@@ -92,8 +96,8 @@ class CompressedLayer(LayerStorage):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         heads = key_states.shape[1]
-        self.entry_pos = torch.empty((heads, 0), dtype=torch.long, device=self.device)
-        self.token_idx = torch.empty((heads, 0), dtype=torch.long, device=self.device)
+        self.entry_pos = torch.empty((heads, 0), dtype=POSITION_DTYPE, device=self.device)
+        self.token_idx = torch.empty((heads, 0), dtype=POSITION_DTYPE, device=self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -180,6 +184,19 @@ class CompressedLayer(LayerStorage):
         """
         return None
 
+    def nbytes(self) -> int:
+        """Bytes held: keys and values (:meth:`LayerStorage.nbytes`) and the bookkeeping kept beside them."""
+        return super().nbytes() + self.bookkeeping_bytes()
+
+    def bookkeeping_bytes(self) -> int:
+        """Bytes of what is kept beside the keys and values: each token's entry position, stream index and
+        per-token method state (what :func:`kvcli.kv.quant.cache_bytes` counts as ``extra``), and any tensor the
+        method keeps for the whole layer."""
+        if self.entry_pos is None:
+            return 0
+        layer = [value for value in self.method_state.values() if isinstance(value, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in (self.entry_pos, self.token_idx, *self.state.values(), *layer))
+
     def keep(self, indices: torch.Tensor) -> None:
         """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending), dropping the rest.
 
@@ -264,9 +281,9 @@ class KVCache(Cache):
         if self._entries is not None and self._entries[0] == key and self._entries[1] is self.subset:
             return self._entries[2], self._entries[3]
         if self.subset is None:
-            offsets = torch.arange(count, device=device)
+            offsets = torch.arange(count, device=device, dtype=POSITION_DTYPE)
         else:  # a nested forward: this layer sees only the block's tokens the layer below kept
-            offsets = self.subset.to(device)
+            offsets = self.subset.to(device=device, dtype=POSITION_DTYPE)
         positions = (self.block_start + offsets).expand(heads, count)
         tokens = (self.stream_start + offsets).expand(heads, count)
         self._entries = (key, self.subset, positions, tokens)

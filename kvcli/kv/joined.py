@@ -167,7 +167,7 @@ def union_offsets(token_idx: Sequence[torch.Tensor]) -> torch.Tensor:
     width = heads * max(lengths)
     place = _row_places(lengths, heads, token_idx[0].device)  # [H, sum T_l]: where each index goes in the rows
     rows = torch.full((len(lengths) * width,), _PAD, dtype=torch.long, device=place.device)
-    rows = rows.scatter_(0, place.view(-1), join(token_idx, dim=1).reshape(-1)).view(len(lengths), width)
+    rows = rows.scatter_(0, place.view(-1), join(token_idx, dim=1).reshape(-1).long()).view(len(lengths), width)
     values, order = rows.sort(dim=1)
     first = torch.ones_like(values, dtype=torch.bool)
     first[:, 1:] = values[:, 1:] != values[:, :-1]  # the first of equal indices (one token held by several heads)

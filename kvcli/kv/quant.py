@@ -134,7 +134,7 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     pad = -dim % n
     if pad:
         q = torch.nn.functional.pad(q, (0, pad))
-    q = q.to(torch.uint8).view(*q.shape[:-1], -1, n)
+    q = q.to(torch.uint8).view(*q.shape[:-1], q.shape[-1] // n, n)  # explicit: a store of no head has no elements
     out = q[..., 0].clone()
     for i in range(1, n):
         out |= q[..., i] << (bits * i)
@@ -369,9 +369,10 @@ def gather_tokens(x: torch.Tensor | QuantizedTokens, indices: torch.Tensor) -> t
     return x.gather(2, wide_index(indices, x.shape[-1]))
 
 
-def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | None = None) -> int:
+def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | None = None, extra: int = 0) -> int:
     """Bytes a plain (non-PoD) cache of ``tokens`` per layer costs on a model with ``config`` at ``bits``,
-    keys rounded the ``keys`` way (None: :data:`DEFAULT_KEYS`).
+    keys rounded the ``keys`` way (None: :data:`DEFAULT_KEYS`), each token of each layer and KV head costing ``extra``
+    bytes of bookkeeping besides (:func:`bookkeeping_bytes`).
 
     16 bits: keys and values in ``dtype``. Fewer: the front and the residual at full precision, every other
     token sealed (:meth:`KVQuant.token_bytes` for keys and values), and the per-head parameters.
@@ -382,26 +383,64 @@ def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | 
     element = torch.tensor([], dtype=dtype).element_size()
     full = 2 * head_dim * element
     if bits == 16:
-        return layers * kv_heads * tokens * full
+        return layers * kv_heads * tokens * (full + extra)
     quant = KVQuant(bits, keys=keys)
     front = min(tokens, quant.front)
     residual = min(tokens - front, quant.residual)
     sealed = tokens - front - residual
     mode = quant.key_mode
-    per_head = sealed * (quant.token_bytes(head_dim, mode) + quant.token_bytes(head_dim)) + (front + residual) * full
+    per_head = (sealed * (quant.token_bytes(head_dim, mode) + quant.token_bytes(head_dim)) + (front + residual) * full
+                + tokens * extra)
     if sealed:
         per_head += quant.head_bytes(head_dim, mode)
     return layers * kv_heads * per_head
 
 
-def tokens_for_bytes(config, nbytes: int, bits: int, dtype: torch.dtype, keys: str | None = None) -> int:
+#: Bytes of bookkeeping every cached token costs per layer and KV head: its entry position and stream index (int32,
+#: kvcli.kv.cache.POSITION_DTYPE).
+POSITION_BYTES = 2 * 4
+#: Bytes of one per-token state value a method keeps (an accumulated score, float32).
+STATE_BYTES = 4
+
+
+def bookkeeping_bytes(states: int = 0) -> int:
+    """Bytes one cached token costs per layer and KV head besides its key and value: positions and ``states``
+    per-token values of the method (:attr:`kvcli.methods.base.ScoredMethod.state_names`)."""
+    return POSITION_BYTES + STATE_BYTES * states
+
+
+@dataclass(frozen=True)
+class TokenCosts:
+    """Bytes one cached token costs per layer and KV head, by part: its key and its value as the cache stores them
+    (packed at ``--kv-bits`` below 16, with per-token scales and zero points), a key at full precision (PoD's
+    proximal keys are never packed), and its bookkeeping (:func:`bookkeeping_bytes`). What a method that stores
+    fewer keys than values (PoD) needs to turn a plain cache's bytes into its own tokens."""
+
+    key: int
+    value: int
+    full_key: int
+    extra: int
+
+
+def token_costs(config, bits: int, dtype: torch.dtype, keys: str | None = None, extra: int = 0) -> TokenCosts:
+    """:class:`TokenCosts` on a model with ``config`` at ``bits``, keys rounded the ``keys`` way (None: by bits)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    full = head_dim * torch.tensor([], dtype=dtype).element_size()
+    if bits == 16:
+        return TokenCosts(full, full, full, extra)
+    quant = KVQuant(bits, keys=keys)
+    return TokenCosts(quant.token_bytes(head_dim, quant.key_mode), quant.token_bytes(head_dim), full, extra)
+
+
+def tokens_for_bytes(config, nbytes: int, bits: int, dtype: torch.dtype, keys: str | None = None,
+                     extra: int = 0) -> int:
     """The most tokens per layer whose cache (:func:`cache_bytes`) fits in ``nbytes`` (0 if not even one)."""
     low, high = 0, 1
-    while cache_bytes(config, high, bits, dtype, keys) <= nbytes:
+    while cache_bytes(config, high, bits, dtype, keys, extra) <= nbytes:
         low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
-        if cache_bytes(config, mid, bits, dtype, keys) <= nbytes:
+        if cache_bytes(config, mid, bits, dtype, keys, extra) <= nbytes:
             low = mid
         else:
             high = mid

@@ -20,6 +20,7 @@ from kvcli.methods.batching import ScoredBatches, layer_answers, place, uneven_l
 
 if TYPE_CHECKING:
     from kvcli.kv.cache import KVCache, LayerView
+    from kvcli.kv.quant import TokenCosts
 
 
 class StepEviction(Protocol):
@@ -64,6 +65,9 @@ class Method:
     #: While writing, each generated token evicts the oldest token after the first ``sinks`` (the method has
     #: a ``sinks`` parameter): a window that :mod:`kvcli.kv.decode` writes in a ring buffer (StreamingLLM).
     evicts_oldest_while_writing: ClassVar[bool] = False
+    #: How many per-token values (float32, per layer and KV head) the method keeps beside each cached token: an
+    #: accumulated score (H2O, PyramidInfer). ``--cache-bytes`` pays for them (kvcli.kv.quant.bookkeeping_bytes).
+    token_states: ClassVar[int] = 0
 
     def new_cache(self, model: torch.nn.Module) -> KVCache:
         """The cache this method streams into: kvcli's ordinary one unless the method stores keys its own way."""
@@ -91,12 +95,13 @@ class Method:
         """Tokens each layer may keep, averaging ``budget``; uniform unless the method allocates across layers."""
         return [budget] * num_layers
 
-    def equal_bytes_budget(self, budget: int, config) -> int:
+    def equal_bytes_budget(self, budget: int, config, costs: TokenCosts | None = None) -> int:
         """Tokens per layer this method may keep in the bytes of a plain cache of ``budget`` tokens per layer.
 
         The same number for every method that stores a key and a value per kept token; a method that
         stores fewer keys (PoD with a selection) keeps more tokens in the same bytes. This is what
-        makes ``--cache-bytes`` compare methods at equal memory.
+        makes ``--cache-bytes`` compare methods at equal memory. ``costs``: what a token's parts cost
+        (:class:`kvcli.kv.quant.TokenCosts`; None: a key, a value and nothing else, all alike).
         """
         return budget
 

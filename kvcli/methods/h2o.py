@@ -40,6 +40,7 @@ class H2O(ScoredMethod):
     recent: int | None = param(None, AUTO_RECENT_HELP)
 
     state_names = (STATE,)
+    token_states = 1
 
     def score_window(self, block_len: int) -> int:
         return block_len  # every query of the block adds to the accumulated scores

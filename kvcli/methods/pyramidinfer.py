@@ -138,6 +138,7 @@ SCHEDULES = ("cosine", "geometric")
 class PyramidInfer(ScoredMethod):
     name = "pyramidinfer"
     keeps_positions = True
+    token_states = 1  # the recency-weighted score (STATE)
     description = ("Keep the tokens the recent queries attend to most (recency-weighted): a fraction of the stream "
                    "shrinking with depth (cosine schedule, at least min_len), under budgets that shrink alike; a read "
                    "nests the layers (each processes only what the one below kept).")

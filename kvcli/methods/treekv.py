@@ -281,6 +281,7 @@ class TreeKV(Method):
     name = "treekv"
     description = ("Sinks + recent window + a tree region thinned by pairwise eviction of the lower averaged "
                    "attention, the pair sweeping from old to new (TreeKV, Algorithm 1).")
+    token_states = 2  # the attention summed over the queries that saw each token, and their count (SCORE, COUNT)
     sinks: int = param(4, "initial tokens always kept (attention sinks)")
     recent: int | None = param(None, "most recent tokens always kept; None = what the sinks leave of half the "
                                      "cache (the paper's 4 + 508 + 512 at cache 1024)")

@@ -154,10 +154,11 @@ class Reader:
 
     def read_blocks(self, cache, pending: list[int], chunks: Iterable[list[int]], result: Generation,
                     started: float, *, read: int = 0, probe: torch.Tensor | None = None, recap: Recap | None = None,
-                    span: tuple[int, int] | None = None) -> int:
+                    span: tuple[int, int] | None = None, after: Callable[[list[int]], None] | None = None) -> int:
         """Add ``chunks`` to ``pending`` and read every whole block of it but the last (which goes through with
-        the question), ``probe`` scoring each and ``recap`` observing it; return the tokens read so far (``read``
-        before). ``pending`` is left holding the 1 to ``block`` tokens not read yet."""
+        the question), ``probe`` scoring each, ``recap`` observing it and ``after`` called with its ids once read;
+        return the tokens read so far (``read`` before). ``pending`` is left holding the 1 to ``block`` tokens not
+        read yet."""
         block = self.engine.block
         for chunk in chunks:
             pending.extend(chunk)
@@ -165,6 +166,8 @@ class Reader:
                 ids = pending[:block]
                 seen = partial(recap.observe, ids=ids, start=cache.stream_start) if recap else None
                 self._forward(cache, ids, probe, result, last_only=True, observe=seen, span=span)
+                if after is not None:
+                    after(ids)
                 read += len(ids)
                 del pending[:block]
                 self._progress(read, cache, started)

@@ -30,7 +30,9 @@ from kvcli.errors import KvcliError
 from kvcli.io.outputs import atomic_write
 from kvcli.kv.snapshot import SnapshotError, restore_cache, snapshot_cache
 from kvcli.reading.generate import Generation
-from kvcli.reading.prompts import PromptParts, build_prompt, question_instruction
+from kvcli.reading.prompts import PromptParts, build_prompt, encode, question_instruction
+from kvcli.reading.reader import RECAP_SEPARATOR
+from kvcli.reading.recall import PageIndex, select
 
 __all__ = ["FORMAT", "SUFFIX", "ReadState", "answer", "identity_difference", "is_saved_read", "prompt_parts",
            "read_identity", "read_once"]
@@ -57,6 +59,9 @@ class ReadState:
     max_cache_tokens: int
     read_seconds: float
     identity: dict = field(default_factory=dict)  # model, method, budget, block, kv_bits, dtype, source
+    #: The pages of the read for recall (:class:`kvcli.reading.recall.PageIndex`): their tensors and facts.
+    recall_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    recall_facts: dict = field(default_factory=dict)
 
     def cache(self, engine):
         """A fresh cache of ``engine`` holding this read (each question gets its own; the snapshot is not touched)."""
@@ -73,10 +78,11 @@ class ReadState:
         header = {"format": FORMAT, "version": VERSION, "identity": self.identity, "cache": self.facts,
                   "prefix": self.prefix, "pending": self.pending, "read_tokens": self.read_tokens,
                   "document_tokens": self.document_tokens, "max_cache_tokens": self.max_cache_tokens,
-                  "read_seconds": self.read_seconds}
-        body = save(self.tensors, metadata={FORMAT: "{}"})  # the data's bytes do not depend on the metadata
+                  "read_seconds": self.read_seconds, "recall": self.recall_facts}
+        tensors = {**self.tensors, **self.recall_tensors}
+        body = save(tensors, metadata={FORMAT: "{}"})  # the data's bytes do not depend on the metadata
         header["data_sha256"] = hashlib.sha256(_data(body)).hexdigest()
-        data = save(self.tensors, metadata={FORMAT: json.dumps(header)})
+        data = save(tensors, metadata={FORMAT: json.dumps(header, default=str)})
         atomic_write(Path(path), data)
         return len(data)
 
@@ -96,9 +102,11 @@ class ReadState:
                              "read the book again")
         try:
             tensors = load(raw)
+            recall = {name: tensors.pop(name) for name in [n for n in tensors if n.startswith("recall.")]}
             return cls(tensors, dict(header["cache"]), _ids(header["prefix"]), _ids(header["pending"]),
                        _count(header["read_tokens"]), _count(header["document_tokens"]),
-                       _count(header["max_cache_tokens"]), float(header["read_seconds"]), dict(header["identity"]))
+                       _count(header["max_cache_tokens"]), float(header["read_seconds"]), dict(header["identity"]),
+                       recall, dict(header.get("recall") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise KvcliError(f"{path} is a damaged saved read ({type(exc).__name__}: {exc}): read the book again"
                              ) from None
@@ -109,6 +117,15 @@ class ReadState:
             if self.identity.get(key) != current.get(key):
                 clause = identity_difference(key, self.identity.get(key), current.get(key))
                 raise KvcliError(f"{path} cannot be answered here: {clause}")
+
+
+def recalled(reader, state: ReadState, cache, parts: PromptParts, tokens: int) -> list[int]:
+    """The ids of the pages of ``state`` the question of ``parts`` points at, at most ``tokens``."""
+    if not state.recall_facts.get("usable"):
+        raise KvcliError("this read has no recall index (a read that nests its layers, pyramidinfer, or a file of "
+                         "an older kvcli): ask without --recall")
+    return select(reader.engine, cache, state.recall_tensors, state.recall_facts, parts.suffix, parts.question_span,
+                  tokens, len(state.prefix))
 
 
 def identity_difference(key: str, saved, current) -> str:
@@ -202,22 +219,26 @@ def read_once(reader, document: Iterable[list[int]], identity: dict | None = Non
 
     prefix = prompt_parts(reader.tokenizer, "").prefix
     pending = list(prefix)
-    read = reader.read_blocks(cache, pending, hashed(), result, started)
+    index = PageIndex.for_model(reader.engine.model)
+    with index.recording(reader.engine.decoder):
+        read = reader.read_blocks(cache, pending, hashed(), result, started, after=index.add)
     tokens = read + len(pending) - len(prefix)
     if tokens == 0:
         raise KvcliError("the document is empty: nothing to read")
     tensors, facts = snapshot_cache(cache)
     source = {"tokens": tokens, "tokens_sha256": digest.hexdigest()}
     return ReadState(tensors, facts, list(prefix), pending, read, tokens, result.max_cache_tokens,
-                     time.perf_counter() - started, {**(identity or {}), "source": source})
+                     time.perf_counter() - started, {**(identity or {}), "source": source}, index.tensors(),
+                     index.facts())
 
 
 def answer(reader, state: ReadState, question: str | PromptParts, max_new_tokens: int = 128,
-           on_text: Callable[[str], None] | None = None) -> Generation:
+           on_text: Callable[[str], None] | None = None, recall: int = 0) -> Generation:
     """Answer ``question`` (framed as ``ask`` frames it, or the prompt :func:`prompt_parts` built) from ``state``: a
     fresh copy of its cache, the document's last tokens and the question read as the last block of a streamed
-    ``ask`` without a probe, then the answer written. Nothing in ``state`` changes, so every question of a read
-    starts from the same cache."""
+    ``ask`` without a probe, then the answer written. ``recall``: first read again at most this many tokens of the
+    pages the question points at (:mod:`kvcli.reading.recall`), after the document and before the question; 0:
+    none. Nothing in ``state`` changes, so every question of a read starts from the same cache."""
     parts = prompt_parts(reader.tokenizer, question) if isinstance(question, str) else question
     if list(parts.prefix) != state.prefix:
         raise KvcliError("the saved read began with another prompt start (chat template) than this question's: read "
@@ -225,8 +246,15 @@ def answer(reader, state: ReadState, question: str | PromptParts, max_new_tokens
     started = time.perf_counter()
     result = Generation(max_cache_tokens=state.max_cache_tokens)
     cache = state.cache(reader.engine)
-    hidden = reader.finish(cache, list(state.pending), parts, result, state.read_tokens, state.document_tokens,
-                           len(parts.suffix), started)
+    pending, read, held = list(state.pending), state.read_tokens, len(parts.suffix)
+    if recall > 0:
+        again = recalled(reader, state, cache, parts, recall)
+        if again:
+            result.recap_tokens = len(again)
+            read = reader.read_blocks(cache, pending, [encode(reader.tokenizer, RECAP_SEPARATOR) + again], result,
+                                      started, read=read)
+            held += len(pending)  # the last block, the recalled pages in it, stays with the question
+    hidden = reader.finish(cache, pending, parts, result, read, state.document_tokens, held, started)
     result.read_seconds = time.perf_counter() - started
     reader.write(cache, hidden[-1:], result, max_new_tokens, on_text)
     return result

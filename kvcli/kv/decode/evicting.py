@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvcli.kv.attention import grouped_logits
-from kvcli.kv.cache import CompressedLayer, KVCache
+from kvcli.kv.cache import POSITION_DTYPE, CompressedLayer, KVCache
 from kvcli.kv.decode.layouts import AnswerCache, AnswerLayer, RingLayer, StepFrame, padded
 from kvcli.kv.joined import union_offsets
 from kvcli.kv.rope import rotate_keys
@@ -61,8 +61,8 @@ class EvictingLayer(AnswerLayer):
         stack, i, count = self.stack, self.index, self.length
         layer.keys = self.keys[:, :, :count].clone()
         layer.values = self.values[:, :, :count].clone()
-        layer.entry_pos = stack.entry[i, :, :count].clone()
-        layer.token_idx = stack.tokens[i, :, :count].clone()
+        layer.entry_pos = stack.entry[i, :, :count].to(POSITION_DTYPE)  # a copy: the buffers are the steps'
+        layer.token_idx = stack.tokens[i, :, :count].to(POSITION_DTYPE)
         layer.state = {name: rows[:, :count].clone() for name, rows in stack.state_of(i).items()}
         layer.moved = self.moved or steps > 0
 
@@ -102,8 +102,9 @@ class EvictingCache(AnswerCache):
         self.padded_values = first.values.new_zeros((size, 1, heads, padded(slots), first.values.shape[-1]))
         self.keys, self.values = self.padded_keys[..., :slots, :], self.padded_values[..., :slots, :]
         self.unused = torch.arange(padded(slots), device=engine.device) >= slots
-        self.entry = first.entry_pos.new_zeros((size, heads, slots))  # where each key was rotated
-        self.tokens = first.token_idx.new_zeros((size, heads, slots))
+        # Where each key was rotated and its token, as the steps write them (int64; the layers' dtype on give_back).
+        self.entry = first.entry_pos.new_zeros((size, heads, slots), dtype=torch.long)
+        self.tokens = first.token_idx.new_zeros((size, heads, slots), dtype=torch.long)
         self.state = {name: first.state[name].new_zeros((size * heads, slots)) for name in self.eviction.names}
         for i, layer in enumerate(layers):  # moved in one layer at a time: memory stays near one cache
             self.keys[i, :, :, :count] = layer.keys

@@ -81,7 +81,7 @@ class AnswerLayer(CacheLayerMixin):
         moved_to = layer.current_positions(start) if layer.needs_rotation(start) else None
         keys, values = self.take(layer, start)
         if moved_to is not None:
-            layer.entry_pos = moved_to.expand_as(layer.entry_pos)
+            layer.entry_pos = moved_to.to(layer.entry_pos.dtype).expand_as(layer.entry_pos)
         self.keys = self.buffer(keys, room)
         self.values = self.buffer(values, room)
         self.slot = torch.tensor([self.length], device=self.device)
@@ -135,7 +135,8 @@ class AnswerLayer(CacheLayerMixin):
         cut = (lambda tensor: tensor[:, :, :filled].clone()) if filled < self.keys.shape[2] else (lambda tensor: tensor)
         layer.keys = cut(self.keys)
         layer.values = cut(self.values)
-        offsets = torch.arange(steps, device=self.device).expand(layer.entry_pos.shape[0], steps)
+        offsets = torch.arange(steps, device=self.device, dtype=layer.entry_pos.dtype).expand(layer.entry_pos.shape[0],
+                                                                                              steps)
         layer.entry_pos = torch.cat((layer.entry_pos, start + offsets), dim=-1)
         layer.token_idx = torch.cat((layer.token_idx, stream_start + offsets), dim=-1)
 
@@ -188,7 +189,7 @@ class RingLayer(AnswerLayer):
         self.turn = clock is not position
         self.entry = torch.cat((torch.arange(start - self.length + sinks, start, device=self.device),
                                 torch.zeros(1, dtype=torch.long, device=self.device)))  # each ring slot's position
-        self.tokens = torch.cat((tokens, tokens.new_zeros(1)))  # each slot's token
+        self.tokens = torch.cat((tokens, tokens.new_zeros(1))).long()  # each slot's token (the steps write int64)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.turn:
@@ -234,8 +235,9 @@ class RingLayer(AnswerLayer):
         layer.keys = torch.cat((self.sink_keys, self.keys[:, :, order]), dim=2)
         layer.values = torch.cat((self.sink_values, self.values[:, :, order]), dim=2)
         sinks = torch.arange(self.sinks, device=self.device)
-        layer.entry_pos = torch.cat((sinks, self.entry[order])).expand(heads, -1)
-        layer.token_idx = torch.cat((layer.token_idx[0, :self.sinks], self.tokens[order])).expand(heads, -1)
+        kind = layer.entry_pos.dtype
+        layer.entry_pos = torch.cat((sinks, self.entry[order])).to(kind).expand(heads, -1)
+        layer.token_idx = torch.cat((layer.token_idx[0, :self.sinks], self.tokens[order].to(kind))).expand(heads, -1)
         layer.moved = True
 
 

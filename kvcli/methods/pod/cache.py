@@ -223,7 +223,7 @@ class PodStore(CompressedLayer):
     def nbytes(self) -> int:
         if self.values is None:
             return 0
-        return sum(nbytes(t) for t in (self.keys, self.near_keys, self.values))
+        return sum(nbytes(t) for t in (self.keys, self.near_keys, self.values)) + self.bookkeeping_bytes()
 
 
 class PodLayer(PodStore):

@@ -23,10 +23,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcli.errors import KvcliError, UsageError
 from kvcli.io.lazy import torch
 from kvcli.io.outputs import atomic_write
+
+if TYPE_CHECKING:
+    from kvcli.kv.quant import TokenCosts
 
 FORMAT = "kvcli-pod-groups/1"
 #: A model folder written by PoD's post-training holds its groups under this name (``auto`` finds them).
@@ -96,18 +100,25 @@ class GroupsFile:
         layers, kv_heads = self.shape.layers, self.shape.kv_heads
         return (layers * kv_heads - sum(self.blocks_per_kv_head())) / (2 * layers * kv_heads)
 
-    def equal_bytes_budget(self, budget: int, sinks: int, recent: int) -> int:
+    def equal_bytes_budget(self, budget: int, sinks: int, recent: int, costs: TokenCosts | None = None) -> int:
         """Tokens per layer PoD with a selection may keep in the bytes of a plain cache of ``budget`` tokens.
 
-        A plain layer holds keys and values of ``budget`` tokens for every KV head: ``2·L·H·B`` vectors.
-        PoD holds values of ``B'`` tokens everywhere, keys of ``B'`` tokens in each head's leads (``S``
-        (layer, head) pairs) and the ``P = sinks + recent - 1`` proximal keys in the other ``L·H - S``:
-        ``B' = (2·L·H·B - (L·H - S)·P) / (L·H + S)``, rounded down (never more bytes than the plain cache).
+        With a key costing ``k`` bytes, a value ``v`` and each token's bookkeeping ``e`` (:class:`TokenCosts`; all
+        alike and no bookkeeping when None), a plain cache costs ``L·H·B·(k + v + e)``. PoD holds values and
+        bookkeeping of ``B'`` tokens everywhere, keys of ``B'`` tokens in each head's leads (``S`` (layer, head)
+        pairs) and the ``P = sinks + recent - 1`` proximal keys, at full precision ``f``, in the other ``L·H - S``:
+        ``B' = (L·H·B·(k + v + e) - (L·H - S)·P·f) / (L·H·(v + e) + S·k)``, rounded down (never more bytes than the
+        plain cache).
         """
+        from kvcli.kv.quant import TokenCosts
+
+        costs = costs or TokenCosts(1, 1, 1, 0)
         pairs = self.shape.layers * self.shape.kv_heads
         leads = sum(self.blocks_per_kv_head())
-        proximal = sinks + max(recent - 1, 0)
-        return max((2 * pairs * budget - (pairs - leads) * min(proximal, budget)) // (pairs + leads), budget)
+        proximal = min(sinks + max(recent - 1, 0), budget)
+        plain = pairs * budget * (costs.key + costs.value + costs.extra)
+        per_token = pairs * (costs.value + costs.extra) + leads * costs.key
+        return max((plain - (pairs - leads) * proximal * costs.full_key) // per_token, budget)
 
     def check_model(self, config, where: str = "groups") -> None:
         """Raise :class:`UsageError` unless the model has the layers and heads these groups were made for."""

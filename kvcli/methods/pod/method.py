@@ -23,6 +23,7 @@ from kvcli.methods.registry import METHODS, register
 
 if TYPE_CHECKING:
     from kvcli.kv.cache import LayerView
+    from kvcli.kv.quant import TokenCosts
     from kvcli.methods.pod.cache import PodCache
 
 #: Selection methods PoD can run on the distant region: they choose per KV head with a uniform budget.
@@ -85,6 +86,7 @@ class PoD(Method):
         # the selection does (SnapKV keeps its answer).
         self.unbounded = self.inner is None
         self.keeps_answer = self.inner is not None and self.inner.keeps_answer
+        self.token_states = self.inner.token_states if self.inner is not None else 0
 
     def validate(self, budget: int) -> None:
         if self.inner is not None:
@@ -93,11 +95,11 @@ class PoD(Method):
                 raise BudgetError(budget, need, "pod's sinks + recent - 1 proximal tokens + 1 selected")
             self.inner.validate(budget)
 
-    def equal_bytes_budget(self, budget: int, config) -> int:
+    def equal_bytes_budget(self, budget: int, config, costs: TokenCosts | None = None) -> int:
         """With a selection, distant tokens cost only values outside the leads: more tokens in the same bytes."""
         if self.inner is None:
             return budget
-        return self.layer_groups(config).equal_bytes_budget(budget, self.sinks, self.recent)
+        return self.layer_groups(config).equal_bytes_budget(budget, self.sinks, self.recent, costs)
 
     def score_window(self, block_len: int) -> int:
         return self.inner.score_window(block_len) if self.inner is not None else 0
@@ -117,6 +119,9 @@ class PoD(Method):
         owner = view.layer.owner
         leads = owner.plan.leads[:, view.layer_idx].tolist()
         rows = [owner.layers[lead].method_state[CHOSEN] for lead in leads]
+        for lead in {*leads, view.layer_idx}:  # a choice no higher layer reads is not kept between blocks
+            if owner.plan.last_reader(lead) <= view.layer_idx:
+                owner.layers[lead].method_state.pop(CHOSEN, None)
         if all(row is None for row in rows):
             return None
         if any(row is None for row in rows):
