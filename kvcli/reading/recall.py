@@ -6,9 +6,11 @@ is gone from the cache. While reading, :class:`PageIndex` keeps, for every page 
 KV head of the middle layers, the smallest and the largest value of each channel of the page's keys before RoPE
 (the page summary of Quest, Tang et al. 2024), and the token ids of the read. At question time the question's own
 queries (before RoPE, from a pass that stores nothing) bound each page's attention logit from above,
-``sum_d max(q_d * min_d, q_d * max_d)``; the pages that take the largest softmax share of those bounds, averaged
-over the question's tokens, heads and layers, are read once more, in stream order, after the document and
-before the question, as the recap of a streamed ``ask`` is (:mod:`kvcli.reading.recap`).
+``sum_d max(q_d * min_d, q_d * max_d)``; a page's weight is the largest softmax share of those bounds any of the
+question's tokens gives it, per query head, averaged over heads and layers; the heaviest pages are read once
+more, in stream order, after the document and before the question, as the recap of a streamed ``ask`` is
+(:mod:`kvcli.reading.recap`). The largest share rather than the mean over the question's tokens: one word of the
+question ("bridge") may be all that finds its page (docs/notes/2026-11-28-read-once.md).
 
 The rules, and why:
 
@@ -108,7 +110,8 @@ def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix:
         heads = low.shape[2]
         q = q.unflatten(1, (heads, -1)).permute(1, 0, 2, 3).flatten(1, 2)  # [H, n * group, D]
         bound = q.clamp(min=0) @ high[:, j].permute(1, 2, 0) + q.clamp(max=0) @ low[:, j].permute(1, 2, 0)
-        weight += torch.softmax(bound / q.shape[-1] ** 0.5, dim=-1).mean(dim=(0, 1))
+        share = torch.softmax(bound / q.shape[-1] ** 0.5, dim=-1)  # [H, n * group, pages]
+        weight += share.amax(dim=1).mean(dim=0)  # each head's best query for the page: one question word may find it
     weight[: -(-first // page)] = -1.0  # pages that hold the prompt's start
     chosen = sorted(weight.topk(count).indices.tolist())
     ids = tensors["recall.ids"].tolist()
