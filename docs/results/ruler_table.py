@@ -26,7 +26,8 @@ def main() -> None:
     rows = [row for path in sys.argv[1:] for row in load(path)]
     cells: dict[str, dict[tuple, float]] = defaultdict(dict)
     for row in rows:
-        column = row["method"] if row["method"] == "full" else f"{row['method']} {row['ratio']}"
+        budget = row["ratio"] if row.get("ratio") is not None else f"cache {row['cache']}"  # streamed rows: a cache
+        column = row["method"] if row["method"] == "full" else f"{row['method']} {budget}"
         cells[column][(row["task"], row["length"], row["index"])] = row["score"]
     shared = set.intersection(*(set(scores) for scores in cells.values()))
     cells = {column: {key: v for key, v in scores.items() if key in shared} for column, scores in cells.items()}
