@@ -201,3 +201,12 @@ def test_recall_reads_whole_pages_of_the_document_again(invoke, saved, tiny_mode
     assert all(row["recall_tokens"] == 0 for row in off["answers"])
     assert "--recall goes with" in one_line_error(invoke("ask", str(saved.with_suffix(".txt")), "Who?", "--recall",
                                                         "64"), code=2)
+
+
+def test_another_dtype_is_refused(invoke, saved, tiny_model_dir):
+    from kvcli.reading.saved import ReadState
+
+    made = ReadState.load(saved).identity["dtype"]
+    other = "float32" if made == "torch.bfloat16" else "bfloat16"
+    error = one_line_error(invoke("ask", str(saved), "Who?", "--model", str(tiny_model_dir), "--dtype", other))
+    assert f"it was read with dtype {made!r}" in error
