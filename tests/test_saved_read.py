@@ -210,3 +210,21 @@ def test_another_dtype_is_refused(invoke, saved, tiny_model_dir):
     other = "float32" if made == "torch.bfloat16" else "bfloat16"
     error = one_line_error(invoke("ask", str(saved), "Who?", "--model", str(tiny_model_dir), "--dtype", other))
     assert f"it was read with dtype {made!r}" in error
+
+
+@pytest.mark.parametrize("method", ["h2o", "treekv", "snapkv"])
+def test_answering_leaves_the_saved_state_as_it_was(tiny_model_dir, method):
+    """Methods update their per-token scores in place while writing: each question gets a copy, so the second
+    question starts from exactly the cache the first did."""
+    from kvcli import Engine, load_model, make_method
+    from kvcli.reading.reader import Reader
+    from kvcli.reading.saved import answer, read_once
+
+    loaded = load_model(str(tiny_model_dir))
+    engine = Engine(loaded.model, make_method(method), 48, block=16)
+    reader = Reader(engine, loaded.tokenizer)
+    state = read_once(reader, [list(range(5, 120))])
+    before = {name: tensor.clone() for name, tensor in state.tensors.items()}
+    first = answer(reader, state, QUESTIONS[0], 10)
+    assert all(torch.equal(before[name], tensor) for name, tensor in state.tensors.items())
+    assert answer(reader, state, QUESTIONS[0], 10).ids == first.ids

@@ -106,7 +106,7 @@ def _decode(fact, name: str, tensors: dict[str, torch.Tensor], cache, device: to
         raise SnapshotError(f"{name} is not a value of a snapshot")
     kind = next(iter(fact))
     if kind == "tensor":
-        return _tensor(tensors, fact["tensor"], name).to(device)
+        return _tensor(tensors, fact["tensor"], name).to(device, copy=True)  # the snapshot serves every question
     if kind == "packed":
         return _packed(fact, name, tensors, cache, device)
     if kind == "dtype":
@@ -146,7 +146,7 @@ def _packed(fact: dict, name: str, tensors: dict[str, torch.Tensor], cache, devi
         setattr(store, part, _int(fact[part]) if part != "mode" else str(fact[part]))
     store.dtype, store.device = _dtype(fact["dtype"], name), device
     for part in _PACKED_TENSORS:
-        setattr(store, part, _tensor(tensors, f"{name}.{part}", f"{name}.{part}").to(device))
+        setattr(store, part, _tensor(tensors, f"{name}.{part}", f"{name}.{part}").to(device, copy=True))
     return store
 
 
