@@ -141,7 +141,7 @@ def ask_many(ctx: typer.Context, source: str, questions: list[str], setup: Setup
         state, loaded, engine = read_source(source, setup, checked.method, read.cache, checked.block, checked.kv_bits)
         if save is not None:
             report_read(state, save, state.save(save), loaded, engine, setup, False)
-    answer_all(state, questions, loaded, engine, setup, read, frame, recall)
+    answer_all(state, questions, loaded, engine, setup, read, checked.repetition, frame, recall)
 
 
 def open_saved(ctx: typer.Context, path: Path, setup: Setup):
@@ -172,7 +172,7 @@ def open_saved(ctx: typer.Context, path: Path, setup: Setup):
 
 
 def answer_all(state: ReadState, questions: list[str], loaded, engine, setup: Setup, read: ReadOptions,
-               frame: bool, recall: int = 0) -> None:
+               repetition, frame: bool, recall: int = 0) -> None:
     """Every question answered from ``state``, in order: the text streamed on stdout (after ``Q: question`` when
     there are several), or one JSON object at the end with ``--json``; each answer's cost on stderr."""
     from kvcli.io.report import StdoutStream, dumps, peak_memory_bytes, print_result, reset_peak_memory
@@ -180,14 +180,14 @@ def answer_all(state: ReadState, questions: list[str], loaded, engine, setup: Se
     from kvcli.reading.reader import Reader
     from kvcli.reading.saved import answer, prompt_parts
 
-    checked = read.validate()
     tokenizer = loaded.tokenizer
+    # The prompt's format (chat template or a base model's cue), and so its stop strings, is every question's.
+    form = prompt_parts(tokenizer, questions[0], read.answer_prefix, frame)
+    reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop),
+                    stop=[*read.stop, *form.stop], temperature=read.temperature, seed=read.seed, repetition=repetition)
     rows = []
     for question in questions:
         parts = prompt_parts(tokenizer, question, read.answer_prefix, frame)
-        reader = Reader(engine, tokenizer, stop_ids=stop_token_ids(tokenizer, loaded.model, read.stop),
-                        stop=[*read.stop, *parts.stop], temperature=read.temperature, seed=read.seed,
-                        repetition=checked.repetition)
         out = None if read.json_out else StdoutStream()
         if out is not None:
             out.write((f"Q: {question}\nA: " if len(questions) > 1 else "") + read.answer_prefix)

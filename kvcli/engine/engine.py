@@ -192,11 +192,7 @@ class Engine(BlockScorer):
                 compress_cache(self.method, cache, self.architecture.budgeted, self.budgets, self.budget, n, decoding,
                                done, observation.question, observation.held)
         finally:
-            cache.question_scores = False
-            cache.score_skip = 0
-            cache.waiting.clear()
-            for layer in cache.layers:
-                layer.record = None
+            _forget_scores(cache)
         return hidden[0]
 
     @torch.inference_mode()
@@ -207,9 +203,7 @@ class Engine(BlockScorer):
         try:
             self._run(cache, ids, store=False)
         finally:
-            cache.waiting.clear()
-            for layer in cache.layers:
-                layer.record = None
+            _forget_scores(cache)
 
     def compresses(self) -> bool:
         """Whether a forward compresses at all: the method has a budget and some layer is governed by it."""
@@ -240,6 +234,15 @@ class Engine(BlockScorer):
             cache.probing = False
             cache.clear_rotation()
         return out.last_hidden_state
+
+
+def _forget_scores(cache: KVCache) -> None:
+    """After a forward: nothing it recorded for the method (scores, window logits, attention records) outlives it."""
+    cache.question_scores = False
+    cache.score_skip = 0
+    cache.waiting.clear()
+    for layer in cache.layers:
+        layer.record = None
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:

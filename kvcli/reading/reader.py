@@ -133,32 +133,37 @@ class Reader:
         self._progress(result.prompt_tokens, cache, started)
         return hidden
 
-    def _stream(self, cache, parts: PromptParts, buffered: list[int], rest: Iterator[list[int]],
+    def _stream(self, cache, parts: PromptParts, pending: list[int], rest: Iterator[list[int]],
                 result: Generation, probe: bool, started: float) -> torch.Tensor:
         """The prompt in blocks of the engine's size, compressed after each, with the question as the probe
         of every block (``probe``), then the recap, and the question at the end of the last block."""
         suffix = parts.suffix
         probe_ids = torch.tensor([suffix], dtype=torch.long) if probe and suffix else None
         recap = Recap(self.recap, first=len(parts.prefix)) if self.recap and probe_ids is not None else None
-        pending = buffered
         read = self.read_blocks(cache, pending, _chain([[]], rest), result, started, probe=probe_ids, recap=recap,
                                 span=parts.question_span)
         document = read + len(pending) - len(parts.prefix)
         held = len(suffix)
         if recap is not None and (again := recap.passages(word_joins(self.tokenizer))):
-            result.recap_tokens = len(again)
-            read = self.read_blocks(cache, pending, [encode(self.tokenizer, RECAP_SEPARATOR) + again], result,
-                                    started, read=read, probe=probe_ids, span=parts.question_span)
-            held += len(pending)  # the last block, the recap in it, stays with the question
+            read, last = self.read_again(cache, pending, again, result, started, read, probe_ids, parts.question_span)
+            held += last
         return self.finish(cache, pending, parts, result, read, document, held, started)
+
+    def read_again(self, cache, pending: list[int], again: list[int], result: Generation, started: float, read: int,
+                   probe: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> tuple[int, int]:
+        """A paragraph break and ``again`` (recap, recall) read after the document; the tokens read so far, and how
+        many the last block holds (they stay with the question)."""
+        result.recap_tokens = len(again)
+        read = self.read_blocks(cache, pending, [encode(self.tokenizer, RECAP_SEPARATOR) + again], result, started,
+                                read=read, probe=probe, span=span)
+        return read, len(pending)
 
     def read_blocks(self, cache, pending: list[int], chunks: Iterable[list[int]], result: Generation,
                     started: float, *, read: int = 0, probe: torch.Tensor | None = None, recap: Recap | None = None,
                     span: tuple[int, int] | None = None, after: Callable[[list[int]], None] | None = None) -> int:
-        """Add ``chunks`` to ``pending`` and read every whole block of it but the last (which goes through with
-        the question), ``probe`` scoring each, ``recap`` observing it and ``after`` called with its ids once read;
-        return the tokens read so far (``read`` before). ``pending`` is left holding the 1 to ``block`` tokens not
-        read yet."""
+        """Add ``chunks`` to ``pending`` and read every whole block of it but the last (read with the question),
+        ``probe`` scoring each, ``recap`` observing it, ``after`` given its ids once read; the tokens read so far
+        (``read`` before). ``pending`` is left holding the 1 to ``block`` tokens not read yet."""
         block = self.engine.block
         for chunk in chunks:
             pending.extend(chunk)
@@ -175,9 +180,8 @@ class Reader:
 
     def finish(self, cache, pending: list[int], parts: PromptParts, result: Generation, read: int, document: int,
                held: int, started: float) -> torch.Tensor:
-        """The last block: the document's ``pending`` tokens and the question (``parts.suffix``), whose own queries
-        score the last compression (as a probe scored every one before it, when there was one) and whose last
-        ``held`` tokens stay; the last prompt token's hidden states."""
+        """The last block, ``pending`` and the question (``parts.suffix``), whose own queries score the last compression
+        and whose last ``held`` tokens stay; the hidden states."""
         suffix = parts.suffix
         result.prompt_tokens = read + len(pending) + len(suffix)
         result.document_tokens = document

@@ -30,8 +30,7 @@ from kvcli.errors import KvcliError
 from kvcli.io.outputs import atomic_write
 from kvcli.kv.snapshot import SnapshotError, restore_cache, snapshot_cache
 from kvcli.reading.generate import Generation
-from kvcli.reading.prompts import PromptParts, build_prompt, encode, question_instruction
-from kvcli.reading.reader import RECAP_SEPARATOR
+from kvcli.reading.prompts import PromptParts, build_prompt, question_instruction
 from kvcli.reading.recall import PageIndex, select
 
 __all__ = ["FORMAT", "SUFFIX", "ReadState", "answer", "identity_difference", "is_saved_read", "prompt_parts",
@@ -247,13 +246,9 @@ def answer(reader, state: ReadState, question: str | PromptParts, max_new_tokens
     result = Generation(max_cache_tokens=state.max_cache_tokens)
     cache = state.cache(reader.engine)
     pending, read, held = list(state.pending), state.read_tokens, len(parts.suffix)
-    if recall > 0:
-        again = recalled(reader, state, cache, parts, recall)
-        if again:
-            result.recap_tokens = len(again)
-            read = reader.read_blocks(cache, pending, [encode(reader.tokenizer, RECAP_SEPARATOR) + again], result,
-                                      started, read=read)
-            held += len(pending)  # the last block, the recalled pages in it, stays with the question
+    if recall > 0 and (again := recalled(reader, state, cache, parts, recall)):
+        read, last = reader.read_again(cache, pending, again, result, started, read)
+        held += last
     hidden = reader.finish(cache, pending, parts, result, read, state.document_tokens, held, started)
     result.read_seconds = time.perf_counter() - started
     reader.write(cache, hidden[-1:], result, max_new_tokens, on_text)
