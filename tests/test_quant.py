@@ -11,6 +11,7 @@ import torch
 from kvcli.engine.engine import Engine, budget_for_bytes
 from kvcli.errors import UsageError
 from kvcli.kv.quant import (
+    CLIP,
     FP16_MAX,
     KVQuant,
     QuantizedTokens,
@@ -22,6 +23,7 @@ from kvcli.kv.quant import (
     pack,
     packed_width,
     quantize,
+    rotation,
     tokens_for_bytes,
     unpack,
 )
@@ -123,14 +125,64 @@ def test_bytes_count_packed_payload_scales_zeros_and_residual():
     expected = 2 * 32 * (8 + 2 * 2 * 2) + 2 * 8 * 16 * 4
     assert quant.nbytes() == expected
     assert packed_width(64, 2) == 16 and KVQuant(4).token_bytes(64) == 32 + 4
-    assert KVQuant(8).token_bytes(64) == 64 + 4 and KVQuant(2).token_bytes(64) == 16 + 8  # 2 bits: groups of 32
+    assert KVQuant(8).token_bytes(64) == 64 + 4 and KVQuant(2).token_bytes(64) == 16 + 4  # rotated: one group
+    assert KVQuant(2, rotate=False).token_bytes(64) == 16 + 8  # 2 bits unrotated: groups of 32
 
 
-def channel_store(bits=2, tokens=40, heads=2, dim=16, residual=8, sinks=4, seed=0):
+@pytest.mark.parametrize("dim", [16, 64, 12])
+def test_rotation_is_orthonormal_and_fixed_by_the_size(dim):
+    matrix = rotation(dim)
+    assert matrix.shape == (dim, dim) and matrix.dtype == torch.float32
+    assert torch.allclose(matrix @ matrix.T, torch.eye(dim), atol=1e-5)
+    assert torch.equal(matrix, rotation.__wrapped__(dim))  # a pure function of the size: nothing to save
+    if dim == 64:
+        assert torch.allclose(matrix.abs(), torch.full((dim, dim), dim ** -0.5))  # Hadamard: every channel mixed
+
+
+@pytest.mark.parametrize("mode", ["token", "channel"])
+def test_a_rotated_store_costs_the_same_bytes_and_keeps_the_rotated_error_bound(mode):
+    """The rotation is orthonormal, so a token's error (L2) is its rotated vector's, which min-max rounding keeps
+    within half a step per channel; and it adds no byte to the store."""
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 200, 64)
+    x[..., 5] *= 20  # an outlier channel, as real keys have
+    stores = {}
+    for rotate in (False, True):
+        config = KVQuant(2, group=64, residual=0, keys=mode, sinks=0, rotate=rotate)
+        stores[rotate] = QuantizedTokens(x[:, :, :0], config, mode)
+        stores[rotate].append(x)
+    rotated = stores[True]
+    assert rotated.nbytes() == stores[False].nbytes()
+    error = (rotated.dense() - x).norm(dim=-1)
+    if mode == "token":
+        bound = rotated.scale.float().squeeze(-1) / 2 * 64 ** 0.5
+        assert bool((error <= bound * (1 + 1e-4)).all())
+    else:
+        inside = ((x @ rotation(64) - rotated.zero) / rotated.scale).abs().le(3).all(dim=-1)  # within the grid
+        assert bool((error[inside] <= (rotated.scale / 2).norm() * (1 + 1e-4)).all())
+
+
+def test_a_rotated_store_seals_once_and_evicts_exactly():
+    """Tokens that leave the packed part on an eviction (dequantized into the residual, then sealed again) come
+    back on the grid they had: sealing a rotated grid value again gives the same integers."""
+    x, quant = store(bits=2)
+    assert quant.rotation is not None and quant.front.shape[2] == 4
+    before = quant.dense()
+    # Head 0 keeps four sealed tokens, head 1 two: head 0's last two (20, 25) leave the packed part.
+    indices = torch.tensor([[0, 1, 2, 3, 5, 10, 20, 25, 33], [0, 1, 2, 3, 6, 7, 33, 36, 39]])
+    quant.gather(indices)
+    assert quant.sealed == 2 and quant.tail.shape[2] == 3
+    quant.append(x[:, :, :40])  # everything kept is sealed behind the new tokens: 20 and 25 a second time
+    expected = before.gather(2, indices[None, :, :, None].expand(1, 2, 9, x.shape[-1]))
+    assert torch.allclose(quant.dense()[0, 0, :8], expected[0, 0, :8], atol=1e-3)
+
+
+def channel_store(bits=2, tokens=40, heads=2, dim=16, residual=8, sinks=4, seed=0, rotate=False):
     torch.manual_seed(seed)
     x = torch.randn(1, heads, tokens, dim) * torch.linspace(0.1, 5, dim) + torch.linspace(-20, 20, dim)
     x[:, :, 0] *= 30  # a sink far outside the other tokens' ranges
-    quant = QuantizedTokens(x[:, :, :0], KVQuant(bits, residual=residual, keys="channel", sinks=sinks), "channel")
+    config = KVQuant(bits, residual=residual, keys="channel", sinks=sinks, rotate=rotate)
+    quant = QuantizedTokens(x[:, :, :0], config, "channel")
     quant.append(x[:, :, :tokens // 2])
     quant.append(x[:, :, tokens // 2:])
     return x, quant
@@ -142,17 +194,25 @@ def test_channel_keys_keep_sinks_and_residual_exact_and_fix_one_grid_per_channel
     assert quant.scale.shape == (1, 2, 1, 16) and quant.scale.dtype == torch.float32
     dense = quant.dense()
     assert torch.equal(dense[:, :, :4], x[:, :, :4]) and torch.equal(dense[:, :, 32:], x[:, :, 32:])
-    # The grid came from the first tokens sealed (4..11: the first append sealed all but front and residual).
-    step = quant.scale
+    # The grid came from the first tokens sealed (4..11: the first append sealed all but front and residual),
+    # spanning their 1st to 99th percentile per channel: a value inside rounds within half a step, one outside
+    # comes back as the grid's nearer end.
+    step, low = quant.scale, quant.zero
+    high = low + step * 3
     first = slice(4, 12)
-    assert bool(((dense[:, :, first] - x[:, :, first]).abs() <= step / 2 + 1e-5).all())
+    calibration = x[:, :, first]
+    assert torch.equal(low, calibration.quantile(CLIP, dim=2, keepdim=True))
+    clamped = torch.minimum(torch.maximum(calibration, low), high)
+    assert bool(((dense[:, :, first] - clamped).abs() <= step / 2 + 1e-5).all())
+    assert bool((clamped != calibration).any())  # the clip took effect somewhere
     # Bytes: packed payload and the per-head grid, no per-token parameters.
     assert quant.nbytes() == 2 * 28 * 4 + 2 * 2 * 16 * 4 + 2 * (4 + 8) * 16 * 4
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("bits", [8, 4, 2])
-def test_channel_keys_evict_exactly_per_head(bits):
-    x, quant = channel_store(bits=bits)
+def test_channel_keys_evict_exactly_per_head(bits, rotate):
+    x, quant = channel_store(bits=bits, rotate=rotate)
     before = quant.dense()
     indices = torch.tensor([[1, 3, 5, 7, 9, 20, 33], [0, 2, 4, 6, 10, 30, 39]])  # head 0 drops its first sink
     quant.gather(indices)

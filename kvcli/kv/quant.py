@@ -3,20 +3,26 @@
 What one layer's keys (or values) ``[1, H, T, D]`` become (:class:`QuantizedTokens`):
 
 * the *sealed* tokens: integers of ``bits`` bits packed into bytes (one 8-bit, two 4-bit or four 2-bit
-  values per byte), with a scale and a zero point in fp16 per token for every group of
-  :data:`GROUP` channels (asymmetric min-max rounding, KIVI's value scheme);
+  values per byte), rounded either per token, with a scale and a zero point in fp16 per group of
+  :data:`GROUP` channels (asymmetric min-max rounding, KIVI's value scheme), or per channel on a grid fixed
+  per head (keys at 2 bits, stored before RoPE: KIVI's and KVQuant's key scheme);
 * the *residual*: the last :data:`RESIDUAL` tokens in the model's own precision; a token is sealed
   (quantized, once) as soon as a newer block pushes it out of that window.
 
-Keys and values are stored alike: per token, in groups of channels. Why keys are not rounded per channel
-over groups of tokens, as in KIVI: eviction keeps any subset of tokens per head, so the tokens of a
-token group part ways; each survivor would drag its group's per-channel scales along (a scale row per
-channel for a group that may be down to one token), or be re-rounded with new neighbours, adding error
-at every eviction. A per-token group travels with its token: any ``keep`` is an exact gather, and a
-token is rounded once in its life (re-sealing a token that had to be dequantized gives back the same
-integers, since min-max rounding of grid values is idempotent). A per-channel key scale in front of
-the per-token rounding (each channel divided by its largest magnitude, RoPE pairs sharing one) was
-not used: it does not help on SmolLM2 (numbers in docs/results.md), so keys have none.
+**Rotation** (4 and 2 bits, :data:`ROTATE`): before a token is rounded, each head's vector is multiplied by a
+fixed orthonormal matrix (a normalized Hadamard matrix, :func:`rotation`), and multiplied back when read, as
+QuaRot and QuIP# do. The rotation spreads an outlier channel's energy over every channel, so a group's range
+fits its bulk instead of its largest value; it is per token, so it travels with the token under eviction
+and costs no bytes. Per-channel key grids span the calibration tokens' 1st to 99th percentile
+(:data:`CLIP`), not their extremes: the rare value outside is clamped, and every other one rounds on a
+grid a few times finer. The measurements behind both choices are in docs/notes/2026-11-29-rotated-2-bit.md.
+
+Why keys are not rounded per channel over groups of tokens, as in KIVI: eviction keeps any subset of
+tokens per head, so the tokens of a token group part ways; each survivor would drag its group's scales
+along, or be re-rounded with new neighbours, adding error at every eviction. A per-token group travels
+with its token, and a per-channel grid fixed once per head never moves: any ``keep`` is an exact gather,
+and a token is rounded once in its life (re-sealing a token that had to be dequantized gives back the same
+integers, up to the model dtype's rounding, since rounding grid values again on the same grid is idempotent).
 
 Everything that reads the cache (attention, and through it every method's scores) sees the
 dequantized tensors (:meth:`QuantizedTokens.dense`); the new block's own keys and values are
@@ -25,6 +31,7 @@ attended at full precision.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvcli.errors import UsageError
@@ -36,9 +43,14 @@ KV_BITS = (16, 8, 4, 2)
 KEY_MODES = ("token", "channel")
 #: The key mode each bit width uses unless told (chosen on the tuning books, docs/notes/2026-11-27-low-bit-keys.md).
 DEFAULT_KEYS = {8: "token", 4: "token", 2: "channel"}
-#: Channels per scale/zero group (per token) at each bit width: a whole head of 64 channels at 8 and 4
-#: bits, 32 at 2 bits (64 there more than triples SmolLM2's perplexity; docs/results.md), fewer in a smaller head.
-GROUP = {8: 64, 4: 64, 2: 32}
+#: Whether each bit width rotates before rounding (:func:`rotation`; 8 bits loses nothing measurable without).
+ROTATE = {8: False, 4: True, 2: True}
+#: Channels per scale/zero group (per token) at each bit width, rotated: a whole head of 64 channels (fewer in a
+#: smaller head). Without the rotation 2 bits needs groups of 32 (64 there triples SmolLM2's perplexity).
+GROUP = {8: 64, 4: 64, 2: 64}
+UNROTATED_GROUP = {8: 64, 4: 64, 2: 32}
+#: Share of the calibration tokens' values a per-channel key grid leaves outside at each end (clamped).
+CLIP = 0.01
 #: Most recent tokens of each layer kept at full precision (KIVI's residual).
 RESIDUAL = 32
 #: With per-channel keys, the first tokens each head holds stay at full precision (the attention sinks: their
@@ -72,13 +84,15 @@ def check_kv_keys(mode: str | None, flag: str = "--kv-keys") -> str | None:
 class KVQuant:
     """How a cache quantizes: ``bits`` per element, ``group`` channels per scale, ``residual`` full-precision
     tokens, ``keys`` the key mode (None: :data:`DEFAULT_KEYS`), ``sinks`` full-precision first tokens
-    (None: :data:`SINKS` for per-channel keys, 0 otherwise)."""
+    (None: :data:`SINKS` for per-channel keys, 0 otherwise), ``rotate`` whether tokens are rotated before
+    rounding (None: :data:`ROTATE`)."""
 
     bits: int
-    group: int | None = None  # None: GROUP[bits]
+    group: int | None = None  # None: GROUP[bits] (UNROTATED_GROUP without the rotation)
     residual: int = RESIDUAL
     keys: str | None = None
     sinks: int | None = None
+    rotate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4, 2):
@@ -91,6 +105,10 @@ class KVQuant:
         return self.keys or DEFAULT_KEYS[self.bits]
 
     @property
+    def rotated(self) -> bool:
+        return ROTATE[self.bits] if self.rotate is None else self.rotate
+
+    @property
     def front(self) -> int:
         """Full-precision first tokens of every store of this cache."""
         if self.sinks is not None:
@@ -99,7 +117,7 @@ class KVQuant:
 
     def group_of(self, dim: int) -> int:
         """Channels per group for a head of ``dim`` channels (a divisor of ``dim``)."""
-        group = min(self.group or GROUP[self.bits], dim)
+        group = min(self.group or (GROUP if self.rotated else UNROTATED_GROUP)[self.bits], dim)
         while dim % group:
             group -= 1
         return group
@@ -189,10 +207,16 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     return x.view(*packed.shape[:-1], dim).to(dtype)
 
 
-def channel_params(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel fp32 scale and zero ``[1, H, 1, D]`` spanning the tokens of ``x`` ``[1, H, n, D]`` (min to max)."""
-    low = x.float().amin(dim=2, keepdim=True)
-    high = x.float().amax(dim=2, keepdim=True)
+def channel_params(x: torch.Tensor, bits: int, clip: float = CLIP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel fp32 scale and zero ``[1, H, 1, D]`` spanning the tokens of ``x`` ``[1, H, n, D]`` from the
+    ``clip`` to the ``1 - clip`` quantile of each channel (0: min to max)."""
+    x = x.float()
+    if clip:
+        low = x.quantile(clip, dim=2, keepdim=True)
+        high = x.quantile(1 - clip, dim=2, keepdim=True)
+    else:
+        low = x.amin(dim=2, keepdim=True)
+        high = x.amax(dim=2, keepdim=True)
     return ((high - low) / ((1 << bits) - 1)).clamp_min(1e-6), low
 
 
@@ -200,7 +224,8 @@ def quantize_channels(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
     """``x`` ``[1, H, n, D]`` rounded on fixed per-channel grids (:func:`channel_params`), packed.
 
     Within a channel's calibrated range the error is at most half that channel's step; a value outside
-    is clamped to the range's nearer end. Scales and zeros are fp32, so no magnitude overflows them.
+    (beyond the calibration's clipped quantiles, or a later token's outlier) is clamped to the range's nearer
+    end. Scales and zeros are fp32, so no magnitude overflows them.
     """
     q = ((x.float() - zero) / scale).round_().clamp_(0, (1 << bits) - 1)
     return pack(q.to(torch.uint8), bits)
@@ -212,6 +237,25 @@ def dequantize_channels(packed: torch.Tensor, scale: torch.Tensor, zero: torch.T
     return (unpack(packed, bits, dim).float() * scale + zero).to(dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def rotation(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fixed orthonormal ``[dim, dim]`` fp32 matrix a rotated store multiplies each token by before rounding.
+
+    A normalized Sylvester-Hadamard matrix when ``dim`` is a power of two (every entry ``+-1/sqrt(dim)``: each
+    rotated channel is an equal-weight mix of all channels); otherwise a random orthonormal matrix from a fixed
+    seed. Both are a pure function of ``dim``, so a saved store needs only the fact that it was rotated.
+    """
+    if dim & (dim - 1) == 0:
+        matrix = torch.ones(1, 1)
+        while matrix.shape[0] < dim:
+            matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)), 0)
+        matrix = matrix / dim ** 0.5
+    else:
+        gaussian = torch.randn(dim, dim, generator=torch.Generator().manual_seed(dim), dtype=torch.float64)
+        matrix = torch.linalg.qr(gaussian).Q.float()
+    return matrix.to(device)
+
+
 class QuantizedTokens:
     """One layer's keys or values ``[1, H, T, D]`` in three parts, in stream order: the first ``front`` tokens
     of every head at full precision (the attention sinks, with per-channel keys), then the sealed tokens
@@ -221,7 +265,9 @@ class QuantizedTokens:
     keys by default at 8 and 4 bits). ``channel``: one fp32 scale and zero per head and channel, fixed when
     the store first seals (from the tokens sealed then) and never changed, so no later eviction or arrival
     moves another token's grid (KIVI's and KVQuant's key scheme; the caller stores keys before RoPE,
-    where a channel's range is stable, see :class:`kvcli.kv.cache.CompressedLayer`).
+    where a channel's range is stable, see :class:`kvcli.kv.cache.CompressedLayer`). In a rotated store
+    (:attr:`KVQuant.rotated`) both round the rotated vectors (:func:`rotation`): the channels of a
+    ``channel`` grid are then the rotated channels, whose ranges are as stable as the channels they mix.
 
     Offers what the cache layers need of a tensor (``shape``, ``dtype``, ``device``) plus :meth:`append`,
     :meth:`dense`, :meth:`gather` and :meth:`nbytes`.
@@ -244,6 +290,7 @@ class QuantizedTokens:
         self.zero = torch.empty_like(self.scale)
         self.front = like.new_empty((1, heads, 0, dim))
         self.tail = like.new_empty((1, heads, 0, dim))
+        self.rotation = rotation(dim, self.device) if config.rotated else None
 
     # --- what the cache reads of a tensor ------------------------------------------------------
     @property
@@ -273,6 +320,8 @@ class QuantizedTokens:
         if count <= 0:
             return
         rows = self.tail[:, :, :count]
+        if self.rotation is not None:
+            rows = rows.float() @ self.rotation
         if self.mode == "token":
             packed, scale, zero = quantize(rows, self.bits, self.group)
             self.scale = torch.cat((self.scale, scale), dim=2)
@@ -285,9 +334,12 @@ class QuantizedTokens:
         self.tail = self.tail[:, :, count:].clone()  # a view would keep the sealed rows' memory alive
 
     def _unseal(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        dtype = self.dtype if self.rotation is None else torch.float32
         if self.mode == "token":
-            return dequantize(packed, scale, zero, self.bits, self.dim, self.dtype)
-        return dequantize_channels(packed, self.scale, self.zero, self.bits, self.dim, self.dtype)
+            x = dequantize(packed, scale, zero, self.bits, self.dim, dtype)
+        else:
+            x = dequantize_channels(packed, self.scale, self.zero, self.bits, self.dim, dtype)
+        return x if self.rotation is None else (x @ self.rotation.T).to(self.dtype)
 
     def dense(self) -> torch.Tensor:
         """Every token ``[1, H, T, D]`` in the model's dtype: the front, the sealed ones dequantized, the residual."""

@@ -37,7 +37,7 @@ __all__ = ["FORMAT", "SUFFIX", "ReadState", "answer", "identity_difference", "is
            "read_identity", "read_once"]
 
 #: The header's name for the format, and its version (bumped whenever an older file could be misread).
-FORMAT, VERSION = "kvcli-read", 1
+FORMAT, VERSION = "kvcli-read", 2
 #: The file name ending ``kvcli read --out`` suggests and ``kvcli ask`` recognises a saved read by.
 SUFFIX = ".kvc"
 #: Longest JSON header a saved read may have (the cache's facts are a few hundred bytes per layer).
