@@ -61,8 +61,9 @@ MethodsOptionOpt = Annotated[list[str] | None, typer.Option("--option", "-o", he
                                                             "for one (repeatable).")]
 KvBitsOpt = Annotated[str, typer.Option("--kv-bits", help="Bits per cached key and value element: 16 (the "
                                         "model's precision), 8, 4 or 2 (packed; values rounded per token in groups of "
-                                        "channels, keys too at 8 and 4 bits and per channel at 2, the last 32 tokens "
-                                        "at full precision).")]
+                                        "channels, keys too at 8 and 4 bits and per channel at 2, each token rotated "
+                                        "by a Hadamard matrix first at 4 and 2 bits, the last 32 tokens at full "
+                                        "precision).")]
 KvKeysOpt = Annotated[str, typer.Option("--kv-keys", help="How cached keys are rounded below 16 bits: token "
                                         "(per token in groups of channels), channel (per channel before RoPE, fixed "
                                         "scales, the first 4 tokens at full precision) or auto (channel at 2 bits, "
