@@ -166,11 +166,12 @@ def _fuzzed_checkpoints(folder, rng):
                ("content", lambda p: p.pop("content")), ("totals", lambda p: p.pop("totals")),
                ("cache", lambda p: p.pop("cache")), ("previous", lambda p: p.pop("previous")),
                ("totals.tokens", lambda p: p["totals"].pop("tokens")),
-               ("layer keys", lambda p: p["cache"]["layers"][0].pop("keys")),
-               ("a layer", lambda p: p["cache"]["layers"].pop()),
+               ("layer keys", lambda p: p["cache"]["facts"]["layers"][0].pop("keys")),
+               ("a layer", lambda p: p["cache"]["facts"]["layers"].pop()),
+               ("a tensor", lambda p: p["cache"]["tensors"].pop("0.values")),
                ("position type", lambda p: p.update(position="12")),
-               ("a method as data", lambda p: p["cache"]["layers"][0].update(update=1)),
-               ("keys of another length", lambda p: p["cache"]["layers"][0].update(token_idx=torch.zeros(2, 1)))]
+               ("a method as data", lambda p: p["cache"]["facts"]["layers"][0].update(update={"value": 1})),
+               ("keys of another length", lambda p: p["cache"]["tensors"].update({"0.token_idx": torch.zeros(2, 1)}))]
     for name, damage in damaged:
         copy = torch.load(io.BytesIO(_saved(payload)), weights_only=True)
         damage(copy)
@@ -313,31 +314,42 @@ def test_a_checkpoint_knows_its_model_by_its_files_not_by_its_name(invoke, tiny_
                            "(sha256 ") and "--overwrite" not in line
 
 
-def test_the_checkpointer_refuses_what_it_cannot_restore(tmp_path, monkeypatch, invoke, tiny_model_dir):
-    """A quantized cache is refused by the Checkpointer before a block runs (a library caller gets the error, not a
-    file the safe loader refuses later); any state that is not plain data is refused when saved, writing nothing."""
-    import kvcli.eval.checkpoint
+@pytest.mark.parametrize("bits", ["8", "4", "2"])
+def test_a_quantized_cache_checkpoints_and_resumes_to_the_longer_runs_totals(invoke, tiny_model_dir, tmp_path, bits):
+    """A packed cache is saved as its tensors (kvcli.kv.snapshot) and restored bit for bit: a finished run extended
+    from its checkpoint equals the uninterrupted longer run; resuming it with other bits is refused with one line."""
+    book = long_book(tmp_path)
+    folder = tmp_path / "ckpt"
+    quantized = ("--kv-bits", bits, "--max-tokens")
+    short = invoke(*ppl(tiny_model_dir, book, *quantized, "100", "--checkpoint", folder, "--checkpoint-every", "32"))
+    assert short.exit_code == 0, short.stderr
+    longer = invoke(*ppl(tiny_model_dir, book, *quantized, "400", "--checkpoint", folder, "--resume"))
+    assert longer.exit_code == 0, longer.stderr
+    assert numbers(longer.stdout) == numbers(invoke(*ppl(tiny_model_dir, book, *quantized, "400")).stdout)
+    other = "16" if bits == "8" else "8"
+    line = one_line(invoke(*ppl(tiny_model_dir, book, "--kv-bits", other, "--checkpoint", folder, "--resume")), 1)
+    assert f"it was made with kv_bits {bits}, not this run's {other}" in line
+
+
+def test_a_state_that_is_not_data_is_refused_when_saved(tmp_path):
+    """A layer holding an object (a method's state that is not a tensor or a number) is refused when the checkpoint
+    is written, writing nothing, rather than saved to be refused on resume."""
     from kvcli.engine.engine import Engine
-    from kvcli.errors import UsageError
     from kvcli.eval.checkpoint import Checkpointer
     from kvcli.methods import make_method
     from kvcli.models.load import tiny_llama
 
-    model = tiny_llama()
-    tokens = [list(range(1, 100))]
-    quantized = Engine(model, make_method("streamingllm"), 48, block=16, kv_bits=8)
+    engine = Engine(tiny_llama(), make_method("streamingllm"), 48, block=16)
     saver = Checkpointer(tmp_path / "ckpt", {"block": 16}, 32, None)
-    with pytest.raises(UsageError, match="a checkpoint holds a 16-bit cache only, not one of 8 bits"):
-        saver.begin(quantized, tokens, None)
-    monkeypatch.setattr(kvcli.eval.checkpoint, "check_restorable", lambda bits: None)  # past the first guard
-    state, feed = saver.begin(quantized, tokens, None)
-    with pytest.raises(KvcliError, match=r"cannot checkpoint checkpoint\.cache\.layers\[0\]\.keys: a QuantizedTokens"):
-        quantized.score(feed, state=state, on_state=saver.on_state)
+    state, feed = saver.begin(engine, [list(range(1, 100))], None)
+
+    def poisoned(stream_state):
+        stream_state.cache.layers[0].method_state["callback"] = print
+        saver.on_state(stream_state)
+
+    with pytest.raises(KvcliError, match=r"cannot checkpoint the cache: .*callback is a builtin_function_or_method"):
+        engine.score(feed, state=state, on_state=poisoned)
     assert not saver.path.exists()
-    monkeypatch.undo()
-    line = one_line(invoke(*ppl(tiny_model_dir, long_book(tmp_path), "--kv-bits", "8", "--checkpoint",
-                                tmp_path / "cli")), 2)
-    assert "16-bit cache only" in line
 
 
 def test_rows_resume_by_any_path_and_refuse_an_edited_document(invoke, tiny_model_dir, tmp_path, monkeypatch):

@@ -115,10 +115,6 @@ class PplOptions:
         block = parse_block(self.block)
         bits = parse_kv_bits(self.kv_bits)
         keys = check_kv_keys(self.kv_keys)
-        if self.checkpoint is not None:
-            from kvcli.eval.checkpoint import check_restorable
-
-            check_restorable(bits)  # the Checkpointer itself refuses it too, but only once the model is loaded
         self._check_together()
         from kvcli.eval.checkpoint import parse_every  # imports torch: after the checks that need none
 
@@ -386,8 +382,7 @@ def score(opts: PplOptions, checked: CheckedPpl, setup: Setup, ranks: Ranks, ref
                 stride=opts.stride, on_block=on_block, rows_path=opts.rows, resume=opts.resume, ranks=ranks,
                 on_document=on_document, checkpoint=saver, on_logits=side.on_logits if side.hooked else None,
                 failures=side.failures, rows_identity=rows_identity("ppl", **identity(loaded, engine),
-                                                                    kv_bits=checked.kv_bits, context=opts.context,
-                                                                    stride=opts.stride))
+                                                                    context=opts.context, stride=opts.stride))
         finished = totals
     finally:
         side.close(finished)

@@ -4,9 +4,10 @@ A checkpoint is one file, ``state.pt`` in the checkpoint folder, sealed and repl
 (:mod:`kvcli.io.statefile`: data only, a checksum, written beside it and renamed), so a kill at any
 moment leaves the previous checkpoint or the new one. It holds:
 
-* every cache layer's attributes as they are (keys stored at their entry rotation, values, entry
-  positions, stream indices, per-token method state, ``CompressedLayer.method_state``, and what a
-  layer subclass adds, such as PoD's proximal keys), and the cache's stream counters;
+* the cache as a saved read holds it (:mod:`kvcli.kv.snapshot`): every layer's attributes as they are (keys
+  stored at their entry rotation, values, entry positions, stream indices, per-token method state,
+  ``CompressedLayer.method_state``, what a layer subclass adds, such as PoD's proximal keys, and a quantized
+  cache's packed stores as their tensors), and the cache's stream counters;
 * the totals (token counter, NLL sum, blocks), the last hidden state that scores the next block's
   first token, and the reader offset: how many tokens of the stream were read;
 * the content read: the SHA-256 of those tokens' ids (:class:`TokenDigest`).
@@ -25,12 +26,11 @@ cannot be taken back.
 
 A checkpoint names what it was made with (:func:`identity`): the model by the SHA-256 of its files
 (weights, config and tokenizer: :func:`fingerprint`), the torch and transformers releases, the method and
-its parameters, budget, block and dtype. A resume that differs in any of them is refused with one line
-saying what differs, rather than continued into a meaningless number; the same files named another way
-(a relative path, a trailing slash) resume. Only a 16-bit cache is checkpointed (:func:`check_restorable`):
-a quantized cache holds packed objects that a checkpoint, data only, cannot restore. A folder is
-one run's at a time (:func:`kvcli.io.outputs.lock_folder`), and a run without ``--resume`` never
-overwrites a checkpoint unless told to (:func:`claim`).
+its parameters, budget, block, dtype and the cache's packing (``--kv-bits``, key mode). A resume that differs in
+any of them is refused with one line saying what differs, rather than continued into a meaningless number; the
+same files named another way (a relative path, a trailing slash) resume. A folder is one run's at a time
+(:func:`kvcli.io.outputs.lock_folder`), and a run without ``--resume`` never overwrites a checkpoint unless told
+to (:func:`claim`).
 """
 
 from __future__ import annotations
@@ -50,14 +50,13 @@ from kvcli.engine.engine import BlockStats, Engine, StreamState, StreamTotals
 from kvcli.errors import KvcliError, UsageError
 from kvcli.io.outputs import check_output
 from kvcli.io.statefile import load_state, save_state
+from kvcli.kv.snapshot import SnapshotError, restore_cache, snapshot_cache
 from kvcli.models.fingerprint import fingerprint, library_versions, model_difference
 
 FILE = "state.pt"
-#: 3: the identity holds the model's fingerprint and the library releases (2: the model's name; 1: no content hash)
-FORMAT = 3
-#: The only cache precision a checkpoint restores (:func:`check_restorable`).
-RESTORABLE_BITS = 16
-_SKIP = ("owner", "record")  # a layer's back-reference and its transient attention record
+#: 4: the cache as a snapshot (kvcli.kv.snapshot), quantized caches too (3: the layers' attributes, 16 bits only;
+#: 2: the model's name; 1: no content hash)
+FORMAT = 4
 
 
 def parse_every(text: str) -> tuple[int | None, float | None]:
@@ -73,22 +72,16 @@ def parse_every(text: str) -> tuple[int | None, float | None]:
 
 def identity(loaded, engine: Engine) -> dict:
     """What a checkpoint is only valid for: the model's files, the libraries that compute with them, method and
-    its parameters, budget, block, dtype. ``name`` (the model as typed) is kept for people and never compared.
+    its parameters, budget, block, dtype, and how the cache is packed (bits, key mode). ``name`` (the model as
+    typed) is kept for people and never compared.
 
     Neither the model nor the source is named by its path (a path can be spelled many ways, stdin has none):
     the model by :func:`fingerprint`, the source by a hash of the tokens read, checked when resuming.
     """
     return {"name": loaded.name, "model": fingerprint(loaded.name), "libraries": library_versions(),
             "method": engine.method.name, "params": engine.method.settings(), "budget": engine.budget,
-            "block": engine.block, "dtype": str(loaded.dtype)}
-
-
-def check_restorable(kv_bits: int) -> None:
-    """Refuse to checkpoint a cache a checkpoint cannot restore: a quantized one holds packed objects, and a
-    checkpoint is data only (tensors, numbers, strings). Called before anything runs."""
-    if kv_bits != RESTORABLE_BITS:
-        raise UsageError(f"a checkpoint holds a {RESTORABLE_BITS}-bit cache only, not one of {kv_bits} bits (packed "
-                         "keys and values cannot be restored): leave out --kv-bits or --checkpoint")
+            "block": engine.block, "dtype": str(loaded.dtype), "kv_bits": engine.kv_bits,
+            "kv_keys": engine.cache_key_mode}
 
 
 def difference(key: str, saved, current) -> str:
@@ -202,10 +195,8 @@ class Checkpointer:
 
         ``limit`` is how many tokens the run reads at most (``--max-tokens`` + 1). When resuming, the
         checkpoint's tokens are read again and hashed before anything runs: a source whose first tokens
-        differ from the checkpoint's, or that has fewer, is refused with one line. An engine whose cache a
-        checkpoint cannot restore (a quantized one) is refused here, before a block runs.
+        differ from the checkpoint's, or that has fewer, is refused with one line.
         """
-        check_restorable(engine.kv_bits)
         self.limit = limit
         self.digest = TokenDigest(tokens)
         if not self.resume:
@@ -273,7 +264,8 @@ class Checkpointer:
         for key, value in self.ident.items():
             if key != "name" and saved.get(key) != value:
                 raise KvcliError(f"--checkpoint {self.folder}: {difference(key, saved.get(key), value)}; resume with "
-                                 "the same model, libraries, method, budget, block and dtype, or use another folder")
+                                 "the same model, libraries, method, budget, block, dtype and --kv-bits, or use "
+                                 "another folder")
         try:
             state, content = decode(payload, engine)
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
@@ -283,18 +275,6 @@ class Checkpointer:
 
 
 # --- the codec: a stream's state as a checkpoint's data, and back -------------------------------------------------
-
-
-def _cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu").clone()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_cpu(v) for v in value)
-    if isinstance(value, torch.device):
-        return str(value)
-    return value
 
 
 #: What a checkpoint may hold: what ``torch.load(weights_only=True)`` gives back (kvcli.io.statefile).
@@ -315,28 +295,17 @@ def _check_data(value, where: str) -> None:
                          "(tensors, dtypes, numbers, strings)")
 
 
-def _to(value, device: torch.device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
 def encode(state: StreamState, ident: dict, content: str | None) -> dict:
     """The checkpoint of ``state``, made with ``ident`` (:func:`identity`) from the tokens whose hash is ``content``:
     data only, on the CPU; a state holding anything else is refused here (:func:`_check_data`)."""
-    cache = state.cache
-    totals = dataclasses.asdict(state.totals)
+    try:
+        tensors, facts = snapshot_cache(state.cache)
+    except SnapshotError as exc:
+        raise KvcliError(f"cannot checkpoint the cache: {exc}") from None
     payload = {
         "format": FORMAT, "identity": ident, "position": state.position, "content": content,
-        "previous": _cpu(state.previous), "totals": totals,
-        "cache": {"block_start": cache.block_start, "stream_start": cache.stream_start,
-                  "keep_positions": cache.keep_positions,
-                  "layers": [{k: _cpu(v) for k, v in vars(layer).items() if k not in _SKIP}
-                             for layer in cache.layers]},
+        "previous": state.previous.detach().to("cpu").clone(), "totals": dataclasses.asdict(state.totals),
+        "cache": {"tensors": tensors, "facts": facts},
     }
     _check_data(payload, "checkpoint")
     return payload
@@ -346,39 +315,20 @@ def decode(payload: dict, engine: Engine) -> tuple[StreamState, str]:
     """The stream state a checkpoint holds, on ``engine``'s device, and the hash of the tokens it read.
 
     Any key missing, of the wrong type or of the wrong shape raises (KeyError, TypeError, ValueError and the
-    like): the caller words that as a damaged checkpoint."""
+    like; a snapshot that does not fit the cache is a ValueError): the caller words that as a damaged checkpoint."""
     position, content = payload["position"], payload["content"]
     if not isinstance(position, int) or position < 1 or not isinstance(content, str):
         raise ValueError("position or content")
-    cache = _decode_cache(payload["cache"], engine)
+    saved = payload["cache"]
+    tensors = saved["tensors"]
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise TypeError("cache tensors")
+    cache = restore_cache(engine.new_cache(), tensors, saved["facts"], engine.device)
     totals = _decode_totals(dict(payload["totals"]), position)
     previous = payload["previous"]
     if not isinstance(previous, torch.Tensor) or previous.dim() != 2:
         raise TypeError("previous")
     return StreamState(cache, totals, previous.to(engine.device), position), content
-
-
-def _decode_cache(saved: dict, engine: Engine):
-    """A fresh cache of ``engine`` holding the saved counters and layers."""
-    device = engine.device
-    cache = engine.new_cache()
-    cache.block_start = int(saved["block_start"])
-    cache.stream_start = int(saved["stream_start"])
-    cache.keep_positions = bool(saved["keep_positions"])
-    for layer, attributes in zip(cache.layers, saved["layers"], strict=True):
-        # Exactly the data attributes a layer has (and gets on its first block) are restored: every one of
-        # them, and never a name that is not one (a method).
-        required = set(vars(layer)) - set(_SKIP)
-        missing = required - set(attributes)
-        if missing:
-            raise KeyError("layer." + ",".join(sorted(missing)))
-        for key, value in attributes.items():
-            if key not in required | {"dtype", "device"}:
-                raise ValueError(key)
-            setattr(layer, key, _to(value, device))
-        layer.device = device
-        _check_layer(layer)
-    return cache
 
 
 def _decode_totals(saved: dict, position: int) -> StreamTotals:
@@ -394,18 +344,3 @@ def _decode_totals(saved: dict, position: int) -> StreamTotals:
             or not all(isinstance(getattr(totals, name), int | float) for name in saved)):
         raise ValueError("totals")
     return totals
-
-
-def _check_layer(layer) -> None:
-    """Raise if a restored layer's tensors do not fit together: keys and values ``[1, H, T, D]`` with the same
-    ``T`` as the ``[H, T]`` bookkeeping."""
-    if layer.keys is None:
-        return
-    keys, values = layer.keys, layer.values
-    if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == values.dim() == 4):
-        raise TypeError("keys")
-    length = values.shape[2]
-    for name in ("entry_pos", "token_idx"):
-        value = getattr(layer, name)
-        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] != length:
-            raise ValueError(name)
