@@ -78,10 +78,9 @@ class ReadState:
                   "prefix": self.prefix, "pending": self.pending, "read_tokens": self.read_tokens,
                   "document_tokens": self.document_tokens, "max_cache_tokens": self.max_cache_tokens,
                   "read_seconds": self.read_seconds, "recall": self.recall_facts}
-        tensors = {**self.tensors, **self.recall_tensors}
-        body = save(tensors, metadata={FORMAT: "{}"})  # the data's bytes do not depend on the metadata
+        body = save({**self.tensors, **self.recall_tensors})
         header["data_sha256"] = hashlib.sha256(_data(body)).hexdigest()
-        data = save(tensors, metadata={FORMAT: json.dumps(header, default=str)})
+        data = _with_metadata(body, {FORMAT: json.dumps(header, default=str)})
         atomic_write(Path(path), data)
         return len(data)
 
@@ -158,6 +157,18 @@ def _header(raw: bytes, path: Path) -> dict:
         raise KvcliError(f"{path} is a saved read of format version {header.get('version')!r}; this kvcli reads "
                          f"version {VERSION}: read the book again")
     return header
+
+
+def _with_metadata(raw: bytes, metadata: dict[str, str]) -> bytes:
+    """The safetensors file ``raw`` with ``metadata`` in its header: the header is rewritten, the tensor data (which
+    the metadata cannot change, and which may be large) is not serialized again. The header is padded with spaces
+    to a multiple of 8 bytes, as safetensors writes it."""
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + raw[8 + size:]
 
 
 def _data(raw: bytes) -> bytes:
