@@ -5,7 +5,8 @@
 
 Each finished run is appended to ``--rows`` as one JSON line (``kvcli ppl --json`` plus the cell), so a killed run
 continues where it stopped; the Markdown table (tokens per layer, perplexity, change against 16 bits, bytes held)
-is printed at the end. ``METHOD:KEY=VALUE`` passes ``-o KEY=VALUE`` (PoD's selection).
+is printed at the end; tokens are the budget per layer (a mean over layers where a method varies it).
+``METHOD:KEY=VALUE`` passes ``-o KEY=VALUE`` (PoD's selection).
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ def table(rows: dict, methods: list[str], bits: list[int]) -> str:
                 cells.append("not run")
                 continue
             largest = max(largest, row["kv_cache_bytes"])
-            text = f"{row['max_cache_tokens']:,}, {row['ppl']:.3f}"
+            text = f"{row['cache']:,}, {row['ppl']:.3f}"
             if base is not None and b != 16:
-                text = (f"{row['max_cache_tokens']:,} ({row['max_cache_tokens'] / base['max_cache_tokens']:.2f}x), "
+                text = (f"{row['cache']:,} ({row['cache'] / base['cache']:.2f}x), "
                         f"{row['ppl']:.3f} ({100 * (row['ppl'] / base['ppl'] - 1):+.1f} %)")
             cells.append(text)
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {largest:,} |")
@@ -79,7 +80,7 @@ def main() -> None:
             rows[(method, b)] = row
             with args.rows.open("a") as out:
                 out.write(json.dumps(row) + "\n")
-            print(f"{method} {b} bits: {row['max_cache_tokens']} tokens, ppl {row['ppl']:.3f}", file=sys.stderr)
+            print(f"{method} {b} bits: {row['cache']} tokens, ppl {row['ppl']:.3f}", file=sys.stderr)
     print(table(rows, methods, bits))
 
 
