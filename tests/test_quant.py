@@ -393,3 +393,15 @@ def test_cache_bytes_count_every_tensor_held_and_stay_within_the_budget(method):
         held = sum(t.numel() * t.element_size() for t in tensors.values())
         assert cache.nbytes() == held, (method, bits)
         assert held <= nbytes, (method, bits, held)
+
+
+def test_per_token_keys_at_2_bits_are_warned_of():
+    """PoD rounds its keys per token, as --kv-keys token does: at 2 bits that loses the model, so the user is told."""
+    model = tiny()
+    said = []
+    Engine(model, make_method("streamingllm", {}), 96, block=32, kv_bits=2, kv_keys="token", warn=said.append)
+    Engine(model, make_method("pod", {}), 96, block=32, kv_bits=2, warn=said.append)
+    assert len(said) == 2 and all("keys rounded per token at 2 bits" in line for line in said)
+    Engine(model, make_method("streamingllm", {}), 96, block=32, kv_bits=2, warn=said.append)  # per channel
+    Engine(model, make_method("pod", {}), 96, block=32, kv_bits=4, warn=said.append)
+    assert len(said) == 2

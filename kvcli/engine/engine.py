@@ -125,6 +125,9 @@ class Engine(BlockScorer):
         self.trained_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         self.budgets = layer_budgets(method, self.architecture, self.budget, self.num_layers)
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
+        if self.kv_bits == 2 and self.cache_key_mode == "token":  # PoD's keys, or --kv-keys token
+            self.warn("keys rounded per token at 2 bits lose much of what the cache holds (perplexity +24 % for "
+                      "treekv, 5x for pod on SmolLM2: docs/results.md); --kv-bits 4 costs little")
         self.positions = BlockPositions(self.architecture.rope_limit, self.trained_context, self.warn)
         self.decoder = model.get_decoder()
         #: Read each block's NLL to the host one block late (see :meth:`score`): on a GPU only, where
