@@ -601,3 +601,25 @@ def test_cache_bytes_never_buy_pod_more_than_asked_at_any_bit_width(select):
         tensors, _ = snapshot_cache(cache)
         assert cache.nbytes() == sum(t.numel() * t.element_size() for t in tensors.values()), bits
         assert cache.nbytes() <= nbytes, (bits, cache.nbytes())
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+def test_a_long_proximal_window_at_few_bits_buys_pod_fewer_tokens_never_more_bytes(bits):
+    """Proximal keys stay at full precision in every layer: with many of them and keys packed small, PoD holds fewer
+    tokens than a plain cache of the same bytes, and still no more bytes than asked (at 4 and 2 bits it used to be
+    given the plain cache's tokens, and held more)."""
+    from kvcli.engine.engine import budget_for_bytes
+
+    model = tiny()
+    ids = torch.randint(0, 128, (1, 800), generator=torch.Generator().manual_seed(7))
+    nbytes = 150_000
+    pod = make_method("pod", {"groups": groups_for(model), "sinks": 4, "recent": 120, "select": "snapkv"})
+    budget = budget_for_bytes(pod, model, nbytes, torch.float32, bits)
+    plain = budget_for_bytes(make_method("snapkv"), model, nbytes, torch.float32, bits)
+    if bits == 2:
+        assert budget < plain  # the case this test is for
+    engine = Engine(model, pod, budget, block=32, kv_bits=bits, warn=lambda message: None)
+    cache = engine.new_cache()
+    for start in range(0, ids.shape[1], 32):
+        engine.forward(cache, ids[:, start:start + 32])
+    assert cache.nbytes() <= nbytes, (budget, plain, cache.nbytes())

@@ -108,7 +108,8 @@ class GroupsFile:
         bookkeeping of ``B'`` tokens everywhere, keys of ``B'`` tokens in each head's leads (``S`` (layer, head)
         pairs) and the ``P = sinks + recent - 1`` proximal keys, at full precision ``f``, in the other ``L·H - S``:
         ``B' = (L·H·B·(k + v + e) - (L·H - S)·P·f) / (L·H·(v + e) + S·k)``, rounded down (never more bytes than the
-        plain cache).
+        plain cache). ``B'`` is below ``B`` where the proximal keys at full precision cost more than sharing the
+        distant ones saves (packed keys at 4 and 2 bits with PoD's 527 proximal tokens): PoD then holds fewer tokens.
         """
         from kvcli.kv.quant import TokenCosts
 
@@ -118,7 +119,7 @@ class GroupsFile:
         proximal = min(sinks + max(recent - 1, 0), budget)
         plain = pairs * budget * (costs.key + costs.value + costs.extra)
         per_token = pairs * (costs.value + costs.extra) + leads * costs.key
-        return max((plain - (pairs - leads) * proximal * costs.full_key) // per_token, budget)
+        return max((plain - (pairs - leads) * proximal * costs.full_key) // per_token, 0)
 
     def check_model(self, config, where: str = "groups") -> None:
         """Raise :class:`UsageError` unless the model has the layers and heads these groups were made for."""

@@ -96,7 +96,8 @@ class PoD(Method):
             self.inner.validate(budget)
 
     def equal_bytes_budget(self, budget: int, config, costs: TokenCosts | None = None) -> int:
-        """With a selection, distant tokens cost only values outside the leads: more tokens in the same bytes."""
+        """With a selection, distant tokens cost only values outside the leads, proximal ones a key at full precision
+        in every layer: more tokens in the same bytes at 16 bits, fewer where keys are packed small."""
         if self.inner is None:
             return budget
         return self.layer_groups(config).equal_bytes_budget(budget, self.sinks, self.recent, costs)
