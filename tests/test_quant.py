@@ -405,3 +405,17 @@ def test_per_token_keys_at_2_bits_are_warned_of():
     Engine(model, make_method("streamingllm", {}), 96, block=32, kv_bits=2, warn=said.append)  # per channel
     Engine(model, make_method("pod", {}), 96, block=32, kv_bits=4, warn=said.append)
     assert len(said) == 2
+
+
+@pytest.mark.parametrize(("family", "normalizes"), [("qwen3", True), ("gemma3", True), ("llama3", False)])
+def test_per_channel_keys_are_rotated_unless_the_model_normalizes_its_keys(family, normalizes):
+    """A q/k norm gives every key channel a fixed scale, which a per-channel grid fits unrotated; values (rounded per
+    token) are rotated in every model."""
+    from test_families import build
+
+    engine = Engine(build(family), make_method("streamingllm", {}), 48, block=16, kv_bits=2)
+    cache = engine.new_cache()
+    engine.forward(cache, torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(8)))
+    layer = cache.layers[-1]  # a layer without a window (Gemma 3's first are windowed, too short to seal)
+    assert layer.keys.mode == "channel" and layer.keys.sealed > 0
+    assert (layer.keys.rotation is None) == normalizes and layer.values.rotation is not None

@@ -308,12 +308,13 @@ class KVCache(Cache):
         for pairs in batches:
             keep_joined(pairs)
 
-    def quantize(self, bits: int, keys: str | None = None) -> KVCache:
+    def quantize(self, bits: int, keys: str | None = None, key_norm: bool = False) -> KVCache:
         """Store keys and values at ``bits`` bits from now on (16: the model's precision), keys rounded the
-        ``keys`` way (None: :data:`kvcli.kv.quant.DEFAULT_KEYS`); before any token."""
+        ``keys`` way (None: :data:`kvcli.kv.quant.DEFAULT_KEYS`), ``key_norm`` whether the model normalizes its
+        keys (:attr:`kvcli.kv.quant.KVQuant.key_norm`); before any token."""
         if any(layer.is_initialized for layer in self.layers):
             raise RuntimeError("a cache is quantized before it holds any token")
-        self.kv_quant = None if bits == 16 else KVQuant(bits, keys=keys)
+        self.kv_quant = None if bits == 16 else KVQuant(bits, keys=keys, key_norm=key_norm)
         return self
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:

@@ -85,7 +85,8 @@ class KVQuant:
     """How a cache quantizes: ``bits`` per element, ``group`` channels per scale, ``residual`` full-precision
     tokens, ``keys`` the key mode (None: :data:`DEFAULT_KEYS`), ``sinks`` full-precision first tokens
     (None: :data:`SINKS` for per-channel keys, 0 otherwise), ``rotate`` whether tokens are rotated before
-    rounding (None: :data:`ROTATE`)."""
+    rounding (None: :data:`ROTATE`), ``key_norm`` whether the model normalizes its keys (a q/k norm, as Gemma 3):
+    then per-channel keys are not rotated (:meth:`rotates`)."""
 
     bits: int
     group: int | None = None  # None: GROUP[bits] (UNROTATED_GROUP without the rotation)
@@ -93,6 +94,7 @@ class KVQuant:
     keys: str | None = None
     sinks: int | None = None
     rotate: bool | None = None
+    key_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4, 2):
@@ -107,6 +109,13 @@ class KVQuant:
     @property
     def rotated(self) -> bool:
         return ROTATE[self.bits] if self.rotate is None else self.rotate
+
+    def rotates(self, mode: str) -> bool:
+        """Whether a store rounding the ``mode`` way rotates its tokens first. Not per-channel keys of a model that
+        normalizes its keys: each channel of such keys keeps a fixed scale (the norm's weight), which a per-channel
+        grid fits as it is and a rotation would blur into every channel (measured on one model of each kind:
+        docs/notes/2026-11-29-rotated-2-bit.md)."""
+        return self.rotated and not (mode == "channel" and self.key_norm)
 
     @property
     def front(self) -> int:
@@ -290,7 +299,7 @@ class QuantizedTokens:
         self.zero = torch.empty_like(self.scale)
         self.front = like.new_empty((1, heads, 0, dim))
         self.tail = like.new_empty((1, heads, 0, dim))
-        self.rotation = rotation(dim, self.device) if config.rotated else None
+        self.rotation = rotation(dim, self.device) if config.rotates(mode) else None
 
     # --- what the cache reads of a tensor ------------------------------------------------------
     @property

@@ -140,13 +140,14 @@ def _packed(fact: dict, name: str, tensors: dict[str, torch.Tensor], cache, devi
     quant = cache.kv_quant
     if quant is None or fact.get("bits") != quant.bits or fact.get("packed") != name:
         raise SnapshotError(f"{name} was packed at {fact.get('bits')} bits, this cache at {quant and quant.bits}")
-    if fact.get("rotated") is not quant.rotated or fact.get("group") != quant.group_of(_int(fact.get("dim"))):
+    rotates = quant.rotates(str(fact.get("mode")))
+    if fact.get("rotated") is not rotates or fact.get("group") != quant.group_of(_int(fact.get("dim"))):
         raise SnapshotError(f"{name} was rounded another way than this cache rounds (rotation or group differ)")
     store = object.__new__(QuantizedTokens)  # filled below with exactly what __init__ sets
     store.config = quant
     for part in _PACKED_FACTS:
         setattr(store, part, _int(fact[part]) if part != "mode" else str(fact[part]))
-    store.rotation = rotation(store.dim, device) if quant.rotated else None
+    store.rotation = rotation(store.dim, device) if rotates else None
     store.dtype, store.device = _dtype(fact["dtype"], name), device
     for part in _PACKED_TENSORS:
         setattr(store, part, _tensor(tensors, f"{name}.{part}", f"{name}.{part}").to(device, copy=True))

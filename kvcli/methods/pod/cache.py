@@ -98,10 +98,10 @@ class PodCache(KVCache):
         self.lead_queries.index_copy_(0, rows, queries)
         self.lead_keys.index_copy_(1, rows, keys)
 
-    def quantize(self, bits: int, keys: str | None = None) -> PodCache:
+    def quantize(self, bits: int, keys: str | None = None, key_norm: bool = False) -> PodCache:
         """As :meth:`KVCache.quantize`, keys always rounded per token: PoD reads its keys rotated from their
         entry positions (:meth:`PodLayer._rotated`), so it cannot store them before RoPE."""
-        return super().quantize(bits, "token")
+        return super().quantize(bits, "token", key_norm)
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:
         return PodLayer(self, layer_idx)
