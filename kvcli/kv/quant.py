@@ -13,9 +13,10 @@ What one layer's keys (or values) ``[1, H, T, D]`` become (:class:`QuantizedToke
 fixed orthonormal matrix (a normalized Hadamard matrix, :func:`rotation`), and multiplied back when read, as
 QuaRot and QuIP# do. The rotation spreads an outlier channel's energy over every channel, so a group's range
 fits its bulk instead of its largest value; it is per token, so it travels with the token under eviction
-and costs no bytes. Per-channel key grids span the calibration tokens' 1st to 99th percentile
+and costs no bytes; per-channel keys of a model that normalizes its keys are not rotated (:meth:`KVQuant.rotates`).
+Per-channel key grids span the calibration tokens' 1st to 99th percentile
 (:data:`CLIP`), not their extremes: the rare value outside is clamped, and every other one rounds on a
-grid a few times finer. The measurements behind both choices are in docs/notes/2026-11-29-rotated-2-bit.md.
+finer grid. The measurements behind both choices are in docs/notes/2026-11-29-rotated-2-bit.md.
 
 Why keys are not rounded per channel over groups of tokens, as in KIVI: eviction keeps any subset of
 tokens per head, so the tokens of a token group part ways; each survivor would drag its group's scales
