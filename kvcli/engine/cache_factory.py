@@ -37,10 +37,11 @@ def heads_apart(method: Method, config, budgets: Sequence[int | None] | None, bl
     return not trained_context or span <= trained_context
 
 
-def new_cache(method: Method, model: torch.nn.Module, kv_bits: int, kv_keys: str | None, apart: bool) -> KVCache:
+def new_cache(method: Method, model: torch.nn.Module, kv_bits: int, kv_keys: str | None, apart: bool,
+              key_norm: bool = False) -> KVCache:
     """A fresh cache of ``method`` for ``model``: keys and values at ``kv_bits`` bits, keys rounded the ``kv_keys``
-    way, positions following the tokens all heads hold when ``apart`` (:func:`heads_apart`)."""
-    key_norm = any(name.endswith("k_norm") for name, _ in model.named_modules())  # Gemma 3's, Qwen 3's q/k norm
+    way (``key_norm``: the model normalizes its keys, :attr:`kvcli.kv.architecture.Architecture.key_norm`),
+    positions following the tokens all heads hold when ``apart`` (:func:`heads_apart`)."""
     cache = method.new_cache(model).quantize(kv_bits, kv_keys, key_norm)
     cache.heads_apart = apart
     return cache

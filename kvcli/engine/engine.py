@@ -126,8 +126,8 @@ class Engine(BlockScorer):
         self.budgets = layer_budgets(method, self.architecture, self.budget, self.num_layers)
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
         if self.kv_bits == 2 and self.cache_key_mode == "token":  # PoD's keys, or --kv-keys token
-            self.warn("keys rounded per token at 2 bits lose much of what the cache holds (perplexity +24 % for "
-                      "treekv, 5x for pod on SmolLM2: docs/results.md); --kv-bits 4 costs little")
+            self.warn("keys rounded per token at 2 bits lose much of what the cache holds (docs/results.md, "
+                      "'Every method on the held-out book'); --kv-bits 4 costs little")
         self.positions = BlockPositions(self.architecture.rope_limit, self.trained_context, self.warn)
         self.decoder = model.get_decoder()
         #: Read each block's NLL to the host one block late (see :meth:`score`): on a GPU only, where
@@ -144,7 +144,7 @@ class Engine(BlockScorer):
         """A fresh cache for a run (:mod:`kvcli.engine.cache_factory`), its positions laid out by this engine's
         budgets, block and trained context."""
         apart = heads_apart(self.method, self.model.config, self.budgets, self.block, self.trained_context)
-        return new_cache(self.method, self.model, self.kv_bits, self.kv_keys, apart)
+        return new_cache(self.method, self.model, self.kv_bits, self.kv_keys, apart, self.architecture.key_norm)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, ids: torch.Tensor, probe: torch.Tensor | None = None,

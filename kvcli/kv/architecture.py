@@ -51,6 +51,9 @@ class Architecture:
     #: Every layer's attention is a plain softmax of scaled logits: no logit soft-capping (Gemma 2) and no
     #: learned sinks (GPT-OSS), which only kvcli's explicit attention path computes.
     plain_softmax: bool = True
+    #: The model normalizes its keys before RoPE (a ``k_norm``: Gemma 3, Qwen 3, OLMo 2), so each key channel keeps
+    #: a fixed scale (kvcli.kv.quant.KVQuant.rotates).
+    key_norm: bool = False
 
     @property
     def windows(self) -> list[int | None]:
@@ -120,8 +123,11 @@ def describe(model: torch.nn.Module) -> Architecture:
         layers.append(LayerFacts(inv_freq.detach().to(torch.float32).clone(), _layer_window(config, layer_type),
                                  layer_type or "full_attention", rope_type, None if theta is None else float(theta)))
     softcapped = getattr(config, "attn_logit_softcapping", None) is not None
-    sinks = any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in getattr(decoder, "layers", ()))
-    return Architecture(model_type, layers, int(head_dim), limit, plain_softmax=not (softcapped or sinks))
+    attentions = [getattr(layer, "self_attn", None) for layer in getattr(decoder, "layers", ())]
+    sinks = any(hasattr(attention, "sinks") for attention in attentions)
+    key_norm = any(hasattr(attention, "k_norm") for attention in attentions)
+    return Architecture(model_type, layers, int(head_dim), limit, plain_softmax=not (softcapped or sinks),
+                        key_norm=key_norm)
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,10 @@ KV_BITS = (16, 8, 4, 2)
 KEY_MODES = ("token", "channel")
 #: The key mode each bit width uses unless told (chosen on the tuning books, docs/notes/2026-11-27-low-bit-keys.md).
 DEFAULT_KEYS = {8: "token", 4: "token", 2: "channel"}
-#: Whether each bit width rotates before rounding (:func:`rotation`; 8 bits loses nothing measurable without).
+#: Whether each bit width rotates before rounding (:func:`rotation`; not 8 bits, whose rounding is already fine).
 ROTATE = {8: False, 4: True, 2: True}
 #: Channels per scale/zero group (per token) at each bit width, rotated: a whole head of 64 channels (fewer in a
-#: smaller head). Without the rotation 2 bits needs groups of 32 (64 there triples SmolLM2's perplexity).
+#: smaller head). Without the rotation 2 bits needs groups of 32 (docs/methods.md, "Quantized KV cache").
 GROUP = {8: 64, 4: 64, 2: 64}
 UNROTATED_GROUP = {8: 64, 4: 64, 2: 32}
 #: Share of the calibration tokens' values a per-channel key grid leaves outside at each end (clamped).
