@@ -419,3 +419,39 @@ def test_per_channel_keys_are_rotated_unless_the_model_normalizes_its_keys(famil
     layer = cache.layers[-1]  # a layer without a window (Gemma 3's first are windowed, too short to seal)
     assert layer.keys.mode == "channel" and layer.keys.sealed > 0
     assert (layer.keys.rotation is None) == normalizes and layer.values.rotation is not None
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "treekv", "snapkv", "pyramidkv"])
+def test_cache_bytes_pay_for_window_layers_first(method):
+    """Gemma 3's sliding layers keep their W - 1 tokens whatever the budget: ``--cache-bytes`` pays for them first
+    and gives the full layers the rest, so the cache holds no more than asked and one more token would not fit (a
+    packed layer may hold less than its most while its full-precision residual is not full)."""
+    from test_families import WINDOW, build
+
+    from kvcli.kv.architecture import describe
+
+    model = build("gemma3")
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(6))
+    nbytes = 20_000  # 8,160 of them the window layers' (fp32: 272 bytes a token and layer)
+    windows = describe(model).windows
+    for bits in (16, 4, 2):
+        made = make_method(method, {})
+        budget = budget_for_bytes(made, model, nbytes, torch.float32, bits)
+        engine = Engine(model, made, budget, block=16, kv_bits=bits, warn=lambda message: None)
+        cache = engine.new_cache()
+        for start in range(0, ids.shape[1], 16):
+            engine.forward(cache, ids[:, start:start + 16])
+        assert cache.lengths()[:2] == [WINDOW - 1, WINDOW - 1] and sum(cache.lengths()[2:]) == budget
+        extra = bookkeeping_bytes(made.token_states)
+        assert cache.nbytes() <= cache_bytes(model.config, budget, bits, torch.float32, extra=extra, windows=windows)
+        assert cache.nbytes() <= nbytes < cache_bytes(model.config, budget + 1, bits, torch.float32, extra=extra,
+                                                      windows=windows), (method, bits)
+
+
+def test_cache_bytes_smaller_than_the_window_layers_are_refused_with_one_line():
+    from test_families import build
+
+    from kvcli.errors import UsageError
+
+    with pytest.raises(UsageError, match="beside the .* bytes its attention-window layers hold"):
+        budget_for_bytes(make_method("snapkv", {}), build("gemma3"), 4_000, torch.float32)

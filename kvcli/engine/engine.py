@@ -90,15 +90,23 @@ def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype:
     At ``kv_bits`` below 16 a token costs its packed bytes, scales and zero points, and the full-precision
     residual is paid for (:func:`kvcli.kv.quant.tokens_for_bytes`), keys rounded the ``kv_keys`` way. Every token
     also pays its bookkeeping (positions and the method's per-token state, :func:`kvcli.kv.quant.bookkeeping_bytes`).
+    A layer with an attention window (Gemma 3's sliding layers) holds its window whatever the budget: its bytes are
+    paid first, and the budget is what the other layers may keep in the rest.
     """
-    from kvcli.kv.quant import bookkeeping_bytes, token_costs, tokens_for_bytes
+    from kvcli.kv.quant import bookkeeping_bytes, cache_bytes, token_costs, tokens_for_bytes
 
     per_token = kv_bytes_per_token(model, dtype)
     extra = bookkeeping_bytes(method.token_states)
     keys = key_mode(method, kv_bits, kv_keys)
-    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype, keys, extra)
+    windows = describe(model).windows
+    fixed = cache_bytes(model.config, 0, kv_bits, dtype, keys, extra, windows)  # the window layers' own tokens
+    if all(window is not None for window in windows):
+        raise UsageError("--cache-bytes governs no layer of this model: every layer keeps its attention window "
+                         f"({fixed:,} bytes); leave the budget out")
+    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype, keys, extra, windows)
     if plain < 1:
-        raise UsageError(f"{nbytes:,} bytes cannot hold one token per layer ({per_token:,} bytes per token)")
+        held = f" beside the {fixed:,} bytes its attention-window layers hold" if fixed else ""
+        raise UsageError(f"{nbytes:,} bytes cannot hold one token per layer ({per_token:,} bytes per token){held}")
     return method.equal_bytes_budget(plain, model.config, token_costs(model.config, kv_bits, dtype, keys, extra))
 
 

@@ -33,6 +33,7 @@ attended at full precision.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcli.errors import UsageError
@@ -431,21 +432,32 @@ def gather_tokens(x: torch.Tensor | QuantizedTokens, indices: torch.Tensor) -> t
     return x.gather(2, wide_index(indices, x.shape[-1]))
 
 
-def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | None = None, extra: int = 0) -> int:
-    """Bytes a plain (non-PoD) cache of ``tokens`` per layer costs on a model with ``config`` at ``bits``,
+def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | None = None, extra: int = 0,
+                windows: Sequence[int | None] | None = None) -> int:
+    """Bytes a plain (non-PoD) cache of ``tokens`` per budgeted layer costs on a model with ``config`` at ``bits``,
     keys rounded the ``keys`` way (None: :data:`DEFAULT_KEYS`), each token of each layer and KV head costing ``extra``
     bytes of bookkeeping besides (:func:`bookkeeping_bytes`).
+
+    ``windows`` gives each layer's attention window (None: every layer full): a layer with a window W keeps its
+    W - 1 tokens whatever the budget, with their positions and no method state (:class:`kvcli.kv.cache.WindowLayer`).
+    """
+    layers = windows if windows is not None else [None] * config.num_hidden_layers
+    return sum(layer_bytes(config, tokens, bits, dtype, keys, extra) if window is None
+               else layer_bytes(config, window - 1, bits, dtype, keys, POSITION_BYTES) for window in layers)
+
+
+def layer_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | None = None, extra: int = 0) -> int:
+    """Bytes one layer of ``tokens`` costs (every KV head; :func:`cache_bytes`).
 
     16 bits: keys and values in ``dtype``. Fewer: the front and the residual at full precision, every other
     token sealed (:meth:`KVQuant.token_bytes` for keys and values), and the per-head parameters.
     """
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    layers = config.num_hidden_layers
     element = torch.tensor([], dtype=dtype).element_size()
     full = 2 * head_dim * element
     if bits == 16:
-        return layers * kv_heads * tokens * (full + extra)
+        return kv_heads * tokens * (full + extra)
     quant = KVQuant(bits, keys=keys)
     front = min(tokens, quant.front)
     residual = min(tokens - front, quant.residual)
@@ -455,7 +467,7 @@ def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | 
                 + tokens * extra)
     if sealed:
         per_head += quant.head_bytes(head_dim, mode)
-    return layers * kv_heads * per_head
+    return kv_heads * per_head
 
 
 #: Bytes of bookkeeping every cached token costs per layer and KV head: its entry position and stream index (int32,
@@ -495,14 +507,18 @@ def token_costs(config, bits: int, dtype: torch.dtype, keys: str | None = None, 
 
 
 def tokens_for_bytes(config, nbytes: int, bits: int, dtype: torch.dtype, keys: str | None = None,
-                     extra: int = 0) -> int:
-    """The most tokens per layer whose cache (:func:`cache_bytes`) fits in ``nbytes`` (0 if not even one)."""
+                     extra: int = 0, windows: Sequence[int | None] | None = None) -> int:
+    """The most tokens per budgeted layer whose cache (:func:`cache_bytes`) fits in ``nbytes`` (0 if not even one)."""
+
+    def cost(tokens: int) -> int:
+        return cache_bytes(config, tokens, bits, dtype, keys, extra, windows)
+
     low, high = 0, 1
-    while cache_bytes(config, high, bits, dtype, keys, extra) <= nbytes:
+    while cost(high) <= nbytes:
         low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
-        if cache_bytes(config, mid, bits, dtype, keys, extra) <= nbytes:
+        if cost(mid) <= nbytes:
             low = mid
         else:
             high = mid
