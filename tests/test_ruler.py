@@ -105,10 +105,11 @@ def test_bad_options_are_one_line_before_any_model(invoke, ruler_book, arguments
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("length", [400, 900])  # read in one shot / streamed past the tiny model's 512 context
+# Read in one shot / streamed past the tiny model's 512 context; with ask's frame and without (--no-frame).
+@pytest.mark.parametrize(("length", "frame"), [(400, []), (900, []), (400, ["--no-frame"])])
 def test_a_ruler_trial_answers_what_ask_answers_on_its_text(invoke, tiny_model_dir, smol_tokenizer, ruler_book,
-                                                           tmp_path, length):
-    common = [*tiny(tiny_model_dir), "--cache", "48", "--block", "64", "--max-new-tokens", "24"]  # long enough to loop
+                                                           tmp_path, length, frame):
+    common = [*tiny(tiny_model_dir), "--cache", "48", "--block", "64", "--max-new-tokens", "24", *frame]  # can loop
     data = json.loads(invoke("ruler", str(ruler_book), "--tasks", "niah_single_2", "--methods", "snapkv",
                              "--lengths", str(length), "--samples", "1", "--json", *common).stdout)
     (trial,) = data["trials"]
@@ -122,6 +123,7 @@ def test_a_ruler_trial_answers_what_ask_answers_on_its_text(invoke, tiny_model_d
     assert asked["answer"][len(sample.answer_prefix):].strip() == trial["answer"]
     assert (asked["prompt_tokens"], asked["one_shot"]) == (trial["prompt_tokens"], trial["one_shot"])
     assert trial["one_shot"] == (length < 512)
+    assert ("Read the text above" in data["frame"]) == (not frame)
 
 
 def test_a_ratio_keeps_what_kvpress_keeps_of_the_context_and_the_question_whole():

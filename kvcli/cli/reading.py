@@ -70,6 +70,10 @@ RecapOpt = Annotated[int, typer.Option("--recap", help="A document streamed with
                                        "most this many of its tokens that the question pointed at, passage by "
                                        "passage, before the question (beyond the papers; see docs/reading.md). "
                                        "0 = off; no effect on one-shot reads or on methods that score nothing.")]
+NoFrameOpt = Annotated[bool, typer.Option("--no-frame", help="Ask the question as written, without ask's frame "
+                                         "(\"Read the text above carefully, then answer in one short sentence.\") "
+                                         "before it: for questions that want more than one sentence. Base models "
+                                         "get their Question/Answer cue either way.")]
 AnswerPrefixOpt = Annotated[str, typer.Option("--answer-prefix", help="Start the answer with this text (e.g. "
                                               "'The answer is'); the model continues it.")]
 NoRepeatOpt = Annotated[int, typer.Option("--no-repeat-ngram", help="Never write the same run of this many tokens "
@@ -481,11 +485,7 @@ def ask(
     *,
     setup: Setup,
     read: ReadOptions,
-    no_frame: Annotated[bool, typer.Option("--no-frame", help="Ask the question as written, without ask's "
-                                           "frame (\"Read the text above carefully, then answer in one short "
-                                           "sentence.\") before it: for questions that want more than one "
-                                           "sentence. Base models get their Question/Answer cue either way.")
-                        ] = False,
+    no_frame: NoFrameOpt = False,
     questions_file: Annotated[Path | None, typer.Option("--questions", help="Also ask the questions in this file, "
                                                         "one per line (blank lines skipped).")] = None,
     save: Annotated[Path | None, typer.Option("--save", help="Read SOURCE once without the question, save the read "

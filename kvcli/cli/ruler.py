@@ -24,7 +24,7 @@ from kvcli.cli.options import (
     split_list,
     with_setup,
 )
-from kvcli.cli.reading import OneShotOpt, ProbeOpt, RecapOpt, check_recap
+from kvcli.cli.reading import NoFrameOpt, OneShotOpt, ProbeOpt, RecapOpt, check_recap
 from kvcli.errors import UsageError
 from kvcli.reading.recap import RECAP_TOKENS
 
@@ -89,6 +89,7 @@ def ruler(
     one_shot: OneShotOpt = None,
     probe: ProbeOpt = True,
     recap: RecapOpt = RECAP_TOKENS,
+    no_frame: NoFrameOpt = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every trial and the scores.")] = False,
     rows: TrialRowsOpt = None,
     resume: ResumeTrialsOpt = False,
@@ -141,7 +142,8 @@ def ruler(
         return
     _run(setup, documents, task_list, method_list, length_list, samples=samples, cache=cache, ratios=ratio_list,
          block=block_size, seed=seed, max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe,
-         options=per_method, bits=bits, recap=recap, json_out=json_out, rows=rows, resume=resume, plot=plot)
+         options=per_method, bits=bits, recap=recap, frame=not no_frame, json_out=json_out, rows=rows, resume=resume,
+         plot=plot)
 
 
 def check_export(export: Path, *, rows: Path | None, json_out: bool) -> None:
@@ -191,7 +193,7 @@ def _digest(text: str) -> str:
 
 
 def _run(setup: Setup, documents, task_list, method_list, length_list, *, samples, cache, ratios, block, seed,
-         max_new_tokens, one_shot, probe, options, bits, recap, json_out, rows, resume, plot) -> None:
+         max_new_tokens, one_shot, probe, options, bits, recap, frame, json_out, rows, resume, plot) -> None:
     from kvcli.eval.ruler import RulerLog, run_ruler
     from kvcli.io.report import dumps, print_result
 
@@ -208,7 +210,7 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
         result = run_ruler(loaded.model, loaded.tokenizer, book, task_list, method_list, lengths=length_list,
                            samples=samples, budget=cache, ratios=ratios, block=block, seed=seed,
                            max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe, options=options,
-                           kv_bits=bits, recap=recap, warn=setup.say, on_trial=on_trial, log=log,
+                           kv_bits=bits, recap=recap, frame=frame, warn=setup.say, on_trial=on_trial, log=log,
                            book_digest=_digest(text))
     except KeyboardInterrupt:
         if log is not None:

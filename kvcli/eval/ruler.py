@@ -577,12 +577,14 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
               lengths: Iterable[int] = DEFAULT_LENGTHS, samples: int = DEFAULT_SAMPLES, budget: int = 1024,
               ratios: Sequence[float] | None = None, block: int = 1024, seed: int = 0,
               max_new_tokens: int | None = None, one_shot: bool | None = None, probe: bool = True,
-              options: dict[str, dict] | None = None, kv_bits: int = 16, recap: int = 0,
+              options: dict[str, dict] | None = None, kv_bits: int = 16, recap: int = 0, frame: bool = True,
               warn: Callable[[str], None] | None = None, on_trial: Callable[[Trial, int, int], None] | None = None,
               log: RulerLog | None = None, book_digest: str = "") -> RulerResult:
     """Every sample of ``tasks`` x ``lengths`` read by every method as ``kvcli ask`` reads it (one shot when it
     fits the model's context, otherwise streamed with the question as probe, ``recap`` as ask's), graded by
-    :func:`recall`. ``max_new_tokens`` caps every task's own answer length (:attr:`Task.answer_tokens`).
+    :func:`recall`. ``frame`` False asks RULER's question as written, without ask's frame (``kvcli ask --no-frame``);
+    the samples are the same either way (sized with the frame). ``max_new_tokens`` caps every task's own answer
+    length (:attr:`Task.answer_tokens`).
     ``ratios`` instead of ``budget``: each sample is read once per ratio, at the budget kvpress would keep of it
     (:func:`ratio_budget`), and only in one shot."""
     from kvcli.engine.engine import Engine, check_budget
@@ -606,7 +608,7 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
     result = RulerResult(settings={"cache": None if ratios else budget, "ratios": list(ratios) if ratios else None,
                                    "block": block, "seed": seed, "samples": samples,
                                    "max_new_tokens": max_new_tokens, "one_shot": one_shot, "probe": probe,
-                                   "kv_bits": kv_bits, "recap": recap, "frame": question_frame(tokenizer),
+                                   "kv_bits": kv_bits, "recap": recap, "frame": question_frame(tokenizer, frame),
                                    "params": {name: m.settings() for name, m in built.items()}})
     levels: list[float | None] = list(ratios) if ratios else [None]
     total = len(tasks) * len(lengths) * samples * len(levels) * len(methods)
@@ -623,7 +625,7 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
             answer_tokens = answer_limit(name, max_new_tokens)
             for index in range(samples):
                 sample = make_sample(tokenizer, book, name, length, index, seed)
-                parts = build_prompt(tokenizer, question_instruction(sample.question, sample.answer_prefix))
+                parts = build_prompt(tokenizer, question_instruction(sample.question, sample.answer_prefix, frame))
                 # A method that ignores the budget (full) reads a sample once; its other ratios are that read.
                 read_once: dict[str, Trial] = {}
                 for ratio in levels:

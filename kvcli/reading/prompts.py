@@ -64,14 +64,14 @@ def question_instruction(question: str, answer_prefix: str = "", frame: bool = T
                        cue_stop=("\nQuestion:", "\nAnswer:"), question=question)
 
 
-def question_frame(tokenizer) -> str:
+def question_frame(tokenizer, frame: bool = True) -> str:
     """What ``kvcli ask`` puts after the document, as text, with ``{question}`` where the question goes.
 
     This is the frame as the model reads it: :data:`ASK_FRAME` inside the tokenizer's chat template, or the
     Question/Answer cue of a model without one. A record of a run keeps it, so that rows read under one
     template or frame are never mixed with rows read under another.
     """
-    parts = build_prompt(tokenizer, question_instruction("{question}"))
+    parts = build_prompt(tokenizer, question_instruction("{question}", frame=frame))
     return tokenizer.decode(parts.suffix)
 
 
