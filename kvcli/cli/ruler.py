@@ -110,14 +110,8 @@ def ruler(
     from kvcli.io.outputs import check_output
     from kvcli.methods import METHODS
 
-    task_list = split_list(tasks, str, "--tasks")
-    for name in task_list:
-        if name not in TASK_NAMES:
-            raise UsageError(f"unknown task {name!r}; choose from: {', '.join(TASK_NAMES)}")
-    method_list = split_list(methods, str, "--methods")
-    for name in method_list:
-        if name not in METHODS:
-            raise UsageError(f"unknown method {name!r}; choose from: {', '.join(sorted(METHODS))}")
+    task_list = known(split_list(tasks, str, "--tasks"), TASK_NAMES, "task")
+    method_list = known(split_list(methods, str, "--methods"), sorted(METHODS), "method")
     length_list = split_list(lengths, ruler_length, "--lengths")
     check_at_least(1, samples=samples, max_new_tokens=max_new_tokens)
     check_at_least(64, lengths=min(length_list))
@@ -144,6 +138,14 @@ def ruler(
          block=block_size, seed=seed, max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe,
          options=per_method, bits=bits, recap=recap, frame=not no_frame, json_out=json_out, rows=rows, resume=resume,
          plot=plot)
+
+
+def known(names: list[str], choices, what: str) -> list[str]:
+    """``names``, each one of ``choices``; else a :class:`UsageError` naming the first that is not."""
+    for name in names:
+        if name not in choices:
+            raise UsageError(f"unknown {what} {name!r}; choose from: {', '.join(choices)}")
+    return names
 
 
 def check_export(export: Path, *, rows: Path | None, json_out: bool) -> None:

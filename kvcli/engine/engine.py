@@ -17,7 +17,7 @@ the cache a run starts from in :mod:`kvcli.engine.cache_factory`, the positions 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ from kvcli.errors import UsageError
 from kvcli.kv.architecture import describe
 from kvcli.kv.cache import KVCache
 from kvcli.kv.positions import BlockPositions
+from kvcli.kv.rows import CacheRows
 from kvcli.kv.scores import settle
 from kvcli.methods.base import Method
 
@@ -203,7 +204,7 @@ class Engine(BlockScorer):
                 compress_cache(self.method, cache, self.architecture.budgeted, self.budgets, self.budget, n, decoding,
                                done, observation.question, observation.held)
         finally:
-            _forget_scores(cache)
+            forget_scores(cache)
         return hidden[0]
 
     @torch.inference_mode()
@@ -214,7 +215,7 @@ class Engine(BlockScorer):
         try:
             self._run(cache, ids, store=False)
         finally:
-            _forget_scores(cache)
+            forget_scores(cache)
 
     def compresses(self) -> bool:
         """Whether a forward compresses at all: the method has a budget and some layer is governed by it."""
@@ -234,20 +235,29 @@ class Engine(BlockScorer):
 
     def _run(self, cache: KVCache, ids: torch.Tensor, store: bool) -> torch.Tensor:
         """The decoder over ``ids`` at their positions in ``cache``, storing them (``store``) or only probing."""
-        positions = self.positions.place(cache, ids.shape[1], self.device)
-        cache.probing = not store
-        cache.plan_rotation()
+        return self.run_rows([cache], ids, store)
+
+    def run_rows(self, caches: Sequence[KVCache], ids: torch.Tensor, store: bool) -> torch.Tensor:
+        """The decoder over row ``b`` of ``ids`` at its positions in ``caches[b]`` (one cache: the model reads it
+        as it is; several: as one :class:`~kvcli.kv.rows.CacheRows`, see :func:`kvcli.engine.batched.forward_rows`)."""
+        positions = torch.cat([self.positions.place(cache, ids.shape[1], self.device) for cache in caches])
+        for cache in caches:
+            cache.probing = not store
+            cache.plan_rotation()
+        past = caches[0] if len(caches) == 1 else CacheRows(caches)
         try:
-            out = self.decoder(input_ids=to_device(ids, self.device), position_ids=positions, past_key_values=cache,
-                               use_cache=True, kvcli_cache=cache)
-            settle(cache)  # every layer's window scores, recorded before anything reads them
+            out = self.decoder(input_ids=to_device(ids, self.device), position_ids=positions, past_key_values=past,
+                               use_cache=True, kvcli_cache=past)
+            for cache in caches:
+                settle(cache)  # every layer's window scores, recorded before anything reads them
         finally:
-            cache.probing = False
-            cache.clear_rotation()
+            for cache in caches:
+                cache.probing = False
+                cache.clear_rotation()
         return out.last_hidden_state
 
 
-def _forget_scores(cache: KVCache) -> None:
+def forget_scores(cache: KVCache) -> None:
     """After a forward: nothing it recorded for the method (scores, window logits, attention records) outlives it."""
     cache.question_scores = False
     cache.score_skip = 0

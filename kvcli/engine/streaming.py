@@ -170,7 +170,7 @@ class BlockScorer:
         return score_sliding(self, token_chunks, context, stride, lead=lead, on_block=on_block, on_logits=on_logits)
 
 
-class _Ledger:
+class BlockLedger:
     """Blocks whose NLL is still on the device, read to the host (the one read per block) into the totals.
 
     With ``lag`` a block is read only after the next one is queued, so a GPU never idles waiting for
@@ -237,20 +237,12 @@ def score_stream(engine: BlockScorer, token_chunks: Iterable[list[int] | torch.T
     stream_pos = state.position if state else 0
     started = time.perf_counter() - totals.seconds
     # Checkpoints need the state of the block just done, so they read each block at once.
-    ledger = _Ledger(totals, on_block, lag=engine.lag_host_reads and on_state is None)
+    ledger = BlockLedger(totals, on_block, lag=engine.lag_host_reads and on_state is None)
     try:
         for ids in blocks_of(token_chunks, engine.block, limit=None if max_tokens is None else max_tokens + 1):
             hidden = engine.forward(cache, ids[None, :])
-            predictors = hidden[:-1] if previous is None else torch.cat((previous, hidden[:-1]))
-            targets = ids[1:] if previous is None else ids
-            first = stream_pos + (1 if previous is None else 0)  # stream index of targets[0]
-            skip = max(0, min(score_from - first, targets.shape[0]))
-            nll = engine.token_nll(predictors[skip:], targets[skip:], on_logits=on_logits).sum()
-            previous = hidden[-1:]
+            previous = score_block(engine, hidden, ids, previous, stream_pos, cache, ledger, score_from, on_logits)
             stream_pos += ids.shape[0]
-            cache_tokens = cache.max_tokens()
-            totals.max_cache_tokens = max(totals.max_cache_tokens, cache_tokens)
-            ledger.add(nll, targets.shape[0] - skip, ids.shape[0], stream_pos - 1, cache_tokens, cache.nbytes())
             if on_state:
                 totals.seconds = time.perf_counter() - started
                 on_state(StreamState(cache, totals, previous, stream_pos))
@@ -264,6 +256,26 @@ def score_stream(engine: BlockScorer, token_chunks: Iterable[list[int] | torch.T
         totals.kv_cache_bytes = cache.nbytes()
     return totals
 
+
+
+def score_block(engine: BlockScorer, hidden: torch.Tensor, ids: torch.Tensor, previous: torch.Tensor | None,
+                stream_pos: int, cache: KVCache, ledger: BlockLedger, score_from: int = 0,
+                on_logits: LogitsHook | None = None) -> torch.Tensor:
+    """Score the block ``ids`` (its tokens from stream index ``stream_pos`` on) from its hidden states ``[n, d]``
+    and the last one of the block before (``previous``), into ``ledger``; return this block's last hidden state.
+
+    Token t is scored from the hidden state at t - 1, so a stream's first token is never scored and every
+    later one exactly once; tokens before ``score_from`` are read but not scored."""
+    predictors = hidden[:-1] if previous is None else torch.cat((previous, hidden[:-1]))
+    targets = ids[1:] if previous is None else ids
+    first = stream_pos + (1 if previous is None else 0)  # stream index of targets[0]
+    skip = max(0, min(score_from - first, targets.shape[0]))
+    nll = engine.token_nll(predictors[skip:], targets[skip:], on_logits=on_logits).sum()
+    cache_tokens = cache.max_tokens()
+    ledger.totals.max_cache_tokens = max(ledger.totals.max_cache_tokens, cache_tokens)
+    ledger.add(nll, targets.shape[0] - skip, ids.shape[0], stream_pos + ids.shape[0] - 1, cache_tokens,
+               cache.nbytes())
+    return hidden[-1:]
 
 
 def score_sliding(engine: BlockScorer, token_chunks: Iterable[list[int] | torch.Tensor], context: int, stride: int, *,

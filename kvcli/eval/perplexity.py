@@ -8,8 +8,8 @@ sliding-window protocol (``context``/``stride``, TreeKV Table 1).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -82,6 +82,7 @@ def evaluate(
     on_logits: LogitsHook | None = None,
     failures: SideFailures | None = None,
     rows_identity: dict | None = None,
+    batch: int = 1,
 ) -> tuple[StreamTotals, list[dict], int, dict | None]:
     """Score ``documents``; return the totals, one row per document (unless streamed), peak memory and,
     for documents scored one by one, the job's throughput.
@@ -95,6 +96,8 @@ def evaluate(
     every document (no ``resume``, one rank). ``failures`` collects a rows file that failed while the job
     went on (see :class:`kvcli.io.outputs.SideFailures`). ``rows_identity`` is what every row records as the
     settings that made it, and what ``resume`` requires of the rows it reuses (:mod:`kvcli.io.identity`).
+    ``batch`` documents are scored side by side (:mod:`kvcli.engine.batched`): the documents protocol only, with
+    neither ``max_tokens`` nor ``on_logits``, which follow one document after another.
     """
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
@@ -109,7 +112,13 @@ def evaluate(
     if stream:
         overall = scoring(token_stream(documents, loaded.tokenizer), None if max_tokens is None else max_tokens + 1)
         return overall, [], peak_memory_bytes(loaded.device), None
-    each = _EachDocument(scoring, len(documents) > 1, max_tokens, on_document)
+    if batch > 1:
+        if stream or context is not None or max_tokens is not None or on_logits is not None:
+            raise UsageError("a batch of documents goes with the documents protocol only: no --stream, --context, "
+                             "--checkpoint, --max-tokens, --save-logits or --kl-base")
+        each = _BatchedDocuments(engine, loaded.tokenizer, batch, len(documents) > 1, on_block, on_document)
+    else:
+        each = _EachDocument(scoring, len(documents) > 1, max_tokens, on_document)
     job = run_corpus(documents, each, rows_path=rows_path, resume=resume, ranks=ranks, failures=failures,
                      identity=rows_identity, warn=engine.warn)
     peaks = ranks.gather(peak_memory_bytes(loaded.device))
@@ -176,6 +185,61 @@ class _EachDocument:
         if not totals.tokens and not totals.interrupted and self.several:
             raise EmptyDocumentError(doc.name, "has fewer than 2 tokens (nothing to score)")
         return {**document_row(totals), **content_of(doc)}, not totals.interrupted
+
+
+@dataclass
+class _BatchedDocuments:
+    """:class:`_EachDocument`'s rows, ``batch`` documents scored at a time (:mod:`kvcli.engine.batched`).
+
+    The corpus job tells it the documents it will ask for (:meth:`plan`, in order) and then asks for each in turn;
+    the first ask starts the batch, and a document that finishes before it is asked for waits here, as does the
+    error of one with nothing to read, raised when that document is asked for."""
+
+    engine: Engine
+    tokenizer: object
+    batch: int
+    several: bool
+    on_block: Callable[[BlockStats, StreamTotals], None] | None = None
+    on_document: Callable[[int, Document], None] | None = None
+    share: list[tuple[int, Document]] = field(default_factory=list)
+    finished: dict[int, StreamTotals] = field(default_factory=dict)
+    feeds: dict[int, TokenFeed] = field(default_factory=dict)
+    empty: dict[int, EmptyDocumentError] = field(default_factory=dict)
+    running: Iterator[tuple[int, StreamTotals]] | None = None
+
+    def plan(self, share: list[tuple[int, Document]]) -> None:
+        self.share = share
+
+    def __call__(self, index: int, doc: Document) -> tuple[dict, bool] | None:
+        from kvcli.engine.batched import score_documents
+
+        if self.running is None:
+            self.running = score_documents(self.engine, self._tokens(), self.batch, self.on_block)
+        while index not in self.finished:
+            position, totals = next(self.running, (None, None))
+            if position is None:
+                return None
+            self.finished[self.share[position][0]] = totals
+        totals = self.finished.pop(index)
+        if index in self.empty:
+            raise self.empty.pop(index)
+        totals.num_bytes = self.feeds.pop(index).bytes_at(totals.processed)
+        if not totals.tokens and not totals.interrupted and self.several:
+            raise EmptyDocumentError(doc.name, "has fewer than 2 tokens (nothing to score)")
+        return {**document_row(totals), **content_of(doc)}, not totals.interrupted
+
+    def _tokens(self) -> Iterator[list[int]]:
+        """The planned documents' token ids, each read as its row starts."""
+        for index, doc in self.share:
+            if self.on_document is not None:
+                self.on_document(index, doc)
+            feed = TokenFeed(iter_tokens(doc, self.tokenizer), self.tokenizer, None)
+            self.feeds[index] = feed
+            try:
+                tokens = [token for ids in feed for token in ids]
+            except EmptyDocumentError as error:
+                self.empty[index], tokens = error, []
+            yield tokens
 
 
 def _job_result(job: CorpusResult, ranks: Ranks) -> tuple[StreamTotals, list[dict], dict]:

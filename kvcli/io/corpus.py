@@ -175,6 +175,9 @@ def _process_share(documents: list[Document], share: list[int], process: Process
     short or ``process`` stops: this rank's ``(index, row)`` pairs, each finished row appended to the rows file,
     and the document Ctrl-C cut short (reported, never written), or None."""
     mine: list[tuple[int, dict]] = []
+    plan = getattr(process, "plan", None)
+    if plan is not None:  # a process that reads ahead (documents batched) is told which documents come, in order
+        plan([(index, documents[index]) for index in share])
     for index in share:
         doc = documents[index]
         try:

@@ -30,6 +30,7 @@ from transformers import AttentionInterface
 from kvcli.errors import UnsupportedModelError
 from kvcli.kv import fused_window
 from kvcli.kv.cache import KVCache
+from kvcli.kv.rows import CacheRows, RowStates
 from kvcli.kv.scores import defer, defers, record, window_probs
 
 ATTENTION_NAME = "kvcli"
@@ -248,7 +249,9 @@ def kvcli_attention(
     q_len = query.shape[2]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    cache: KVCache | None = kwargs.get("kvcli_cache")
+    cache: KVCache | CacheRows | None = kwargs.get("kvcli_cache")
+    if isinstance(cache, CacheRows):
+        return rows_attention(module, query, key, value, scaling, dropout, cache, kwargs), None
     sliding_window = kwargs.get("sliding_window")
     layer = cache.layers[module.layer_idx] if cache is not None else None
     if layer is not None and layer.window != sliding_window:
@@ -277,6 +280,15 @@ def kvcli_attention(
     if probs is not None:
         record(layer, probs, recorded, cache.probing, cache.question_scores, skip)
     return output.transpose(1, 2).contiguous(), None
+
+
+def rows_attention(module: torch.nn.Module, query: torch.Tensor, keys: RowStates, values: RowStates, scaling: float,
+                   dropout: float, rows: CacheRows, kwargs: dict) -> torch.Tensor:
+    """A batch of documents (:mod:`kvcli.kv.rows`): row ``b``'s queries against row ``b``'s own cache, each exactly
+    as a document read alone attends (its mask, its scores recorded for its method), the outputs stacked."""
+    outputs = [kvcli_attention(module, query[b:b + 1], keys[b], values[b], None, scaling, dropout,
+                               **{**kwargs, "kvcli_cache": cache})[0] for b, cache in enumerate(rows.rows)]
+    return torch.cat(outputs)
 
 
 def register_attention() -> None:
