@@ -34,7 +34,7 @@ from kvcli.engine.streaming import (
     to_device,
 )
 from kvcli.errors import UsageError
-from kvcli.kv.architecture import describe
+from kvcli.kv.architecture import describe, head_shape
 from kvcli.kv.cache import KVCache
 from kvcli.kv.positions import BlockPositions
 from kvcli.kv.rows import CacheRows
@@ -269,7 +269,6 @@ def forget_scores(cache: KVCache) -> None:
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes one token costs in an uncompressed cache: keys and values of every layer and KV head."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_heads, head_dim = head_shape(config)
     element = torch.tensor([], dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * kv_heads * head_dim * element

@@ -19,6 +19,14 @@ from dataclasses import dataclass
 from kvcli.errors import UnsupportedModelError
 from kvcli.io.lazy import torch
 
+
+def head_shape(config) -> tuple[int, int]:
+    """``(kv_heads, head_dim)`` of a transformers ``config``: the KV heads default to the query heads (no GQA), the
+    head size to the hidden size split over the query heads, as transformers' own attention reads them."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim)
+
 #: RoPE types whose frequencies are fixed once the model is built: a key rotated at position p moves
 #: to p' by one more rotation, exactly. (YaRN and LongRoPE also scale cos/sin by a constant, which
 #: commutes with the rotation.)
@@ -96,7 +104,7 @@ def describe(model: torch.nn.Module) -> Architecture:
             "cannot re-assign the positions of cached keys (see `kvcli models` for the supported families)")
     num_layers = int(config.num_hidden_layers)
     layer_types = getattr(config, "layer_types", None) or [None] * num_layers
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    _, head_dim = head_shape(config)
     limit: int | None = None
     layers = []
     for layer_type in layer_types[:num_layers]:

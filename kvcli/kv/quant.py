@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from kvcli.errors import UsageError
 from kvcli.io.lazy import torch
+from kvcli.kv.architecture import head_shape
 
 #: The bit widths ``--kv-bits`` takes: 16 is the model's own precision (nothing quantized).
 KV_BITS = (16, 8, 4, 2)
@@ -452,8 +453,7 @@ def layer_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | 
     16 bits: keys and values in ``dtype``. Fewer: the front and the residual at full precision, every other
     token sealed (:meth:`KVQuant.token_bytes` for keys and values), and the per-head parameters.
     """
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_heads, head_dim = head_shape(config)
     element = torch.tensor([], dtype=dtype).element_size()
     full = 2 * head_dim * element
     if bits == 16:
@@ -498,7 +498,7 @@ class TokenCosts:
 
 def token_costs(config, bits: int, dtype: torch.dtype, keys: str | None = None, extra: int = 0) -> TokenCosts:
     """:class:`TokenCosts` on a model with ``config`` at ``bits``, keys rounded the ``keys`` way (None: by bits)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    _, head_dim = head_shape(config)
     full = head_dim * torch.tensor([], dtype=dtype).element_size()
     if bits == 16:
         return TokenCosts(full, full, full, extra)

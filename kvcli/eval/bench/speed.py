@@ -34,6 +34,7 @@ import torch
 
 from kvcli.errors import KvcliError, UsageError
 from kvcli.eval.bench.throughput import stream_plain_blocks, synchronize
+from kvcli.kv.architecture import head_shape
 
 _LLAMA = {"rms_norm_eps": 1e-5, "hidden_act": "silu"}
 
@@ -181,9 +182,9 @@ def flops_per_token(model: torch.nn.Module, keys: float) -> float:
     """Useful FLOPs of one token's forward pass: ``2 x`` matmul parameters plus attention's ``4 x layers x
     heads x head_dim x keys`` (``q @ k`` and ``p @ v``, two FLOPs per multiply-add)."""
     config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2.0 * matmul_parameters(model) + 4.0 * config.num_hidden_layers * heads * head_dim * keys
+    _, head_dim = head_shape(config)
+    attention = 4.0 * config.num_hidden_layers * config.num_attention_heads * head_dim * keys
+    return 2.0 * matmul_parameters(model) + attention
 
 
 def matmul_rate(device: torch.device | str, dtype: torch.dtype, size: int | None = None, repeats: int = 5) -> float:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from kvcli.errors import KvcliError, UsageError
 from kvcli.io.lazy import torch
 from kvcli.io.outputs import atomic_write
+from kvcli.kv.architecture import head_shape
 
 if TYPE_CHECKING:
     from kvcli.kv.quant import TokenCosts
@@ -53,11 +54,10 @@ class ModelShape:
 
     @classmethod
     def of(cls, config) -> ModelShape:
-        heads = int(config.num_attention_heads)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads, head_dim = head_shape(config)
         return cls(model_type=str(getattr(config, "model_type", "")), layers=int(config.num_hidden_layers),
-                   heads=heads, kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-                   head_dim=int(head_dim), hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size))
+                   heads=int(config.num_attention_heads), kv_heads=kv_heads, head_dim=head_dim,
+                   hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size))
 
     def attention_layout(self) -> tuple[int, int, int, int]:
         """The fields the PoD plan depends on (layers, heads, KV heads, head size)."""
