@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcli.engine import batched
-from kvcli.engine.batched import forward_rows, score_documents
+from kvcli.engine.batched import MOST_DOCUMENTS, choose_batch, document_bytes, forward_rows, score_documents
 from kvcli.engine.engine import Engine
 from kvcli.methods import make_method
 from kvcli.models.load import tiny_llama
@@ -107,9 +107,30 @@ def test_the_command_gives_each_document_its_numbers_batched_and_resumes(invoke,
     assert again["job"]["resumed"] == 5 and again["ppl"] == batched["ppl"]
 
 
-@pytest.mark.parametrize("extra", [["--batch", "0"], ["--batch", "2", "--stream"],
+@pytest.mark.parametrize("extra", [["--batch", "0"], ["--batch", "many"], ["--batch", "2", "--stream"],
                                    ["--batch", "2", "--max-tokens", "9"],
                                    ["--batch", "2", "--context", "64", "--stride", "32"]])
 def test_a_batch_with_a_one_stream_option_is_one_line(invoke, book, extra):
     result = invoke("ppl", str(book), *extra, "--model", "/nonexistent")
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_auto_puts_in_flight_what_half_the_free_memory_holds(tiny):
+    bounded = Engine(tiny, make_method("snapkv", {}), 48, block=BLOCK)
+    each = document_bytes(bounded, 10**6)
+    assert each == document_bytes(bounded, 10)  # a bounded cache costs the same whatever the document's length
+    assert choose_batch(bounded, 10**6, 7 * each) == 3
+    assert choose_batch(bounded, 10**6, each) == 1 and choose_batch(bounded, 10**6, 10**15) == MOST_DOCUMENTS
+    unbounded = Engine(tiny, make_method("full", {}), None, block=BLOCK)
+    assert document_bytes(unbounded, 10_000) > document_bytes(unbounded, 100)
+
+
+def test_auto_on_a_cpu_reads_one_document_at_a_time(invoke, tiny_model_dir, tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"doc{i}.txt").write_text("a few words of text, " * (20 + 10 * i))
+    common = ["ppl", str(folder), "--model", str(tiny_model_dir), "--cache", "32", "--block", "32", "--json"]
+    auto = invoke(*common, "--batch", "auto")
+    assert auto.exit_code == 0 and "--batch auto" not in auto.stderr
+    assert json.loads(auto.stdout)["ppl"] == json.loads(invoke(*common).stdout)["ppl"]

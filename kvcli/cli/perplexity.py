@@ -71,6 +71,19 @@ class CheckedPpl:
     every_seconds: float | None
     cache_bytes: int | None  # None: the budget is --cache
     method: Method
+    batch: int | None = 1  # None: --batch auto
+
+
+def parse_batch(text: str) -> int | None:
+    """``--batch``: a number of documents (at least 1), or ``auto`` (None: chosen from free memory on a GPU)."""
+    if str(text).strip().lower() == "auto":
+        return None
+    try:
+        batch = int(text)
+    except ValueError:
+        raise UsageError(f"--batch must be a number of documents or auto, not {text!r}") from None
+    check_at_least(1, batch=batch)
+    return batch
 
 
 @dataclass(frozen=True)
@@ -100,7 +113,7 @@ class PplOptions:
     save_logits: Path | None
     kl_base: Path | None
     logits_top_k: int | None
-    batch: int = 1
+    batch: str = "1"
 
     @property
     def protocol(self) -> str:
@@ -112,8 +125,8 @@ class PplOptions:
         the first one wrong is a :class:`UsageError`."""
         from kvcli.methods import make_method
 
-        check_at_least(1, max_tokens=self.max_tokens, logits_top_k=self.logits_top_k, context=self.context,
-                       batch=self.batch)
+        check_at_least(1, max_tokens=self.max_tokens, logits_top_k=self.logits_top_k, context=self.context)
+        batch = parse_batch(self.batch)
         block = parse_block(self.block)
         bits = parse_kv_bits(self.kv_bits)
         keys = check_kv_keys(self.kv_keys)
@@ -124,7 +137,7 @@ class PplOptions:
         nbytes = parse_bytes(self.cache_bytes, "--cache-bytes") if self.cache_bytes is not None else None
         method = (build_method(self.method, self.option, self.cache) if nbytes is None
                   else make_method(self.method, parse_options(self.option)))
-        return CheckedPpl(block, bits, keys, every_tokens, every_seconds, nbytes, method)
+        return CheckedPpl(block, bits, keys, every_tokens, every_seconds, nbytes, method, batch)
 
     def _check_together(self) -> None:
         """Options that only make sense with another, or that choose between protocols."""
@@ -149,14 +162,17 @@ class PplOptions:
         if (self.save_logits is not None or self.kl_base is not None) and (self.resume or self.checkpoint is not None):
             raise UsageError("--save-logits and --kl-base follow one uninterrupted run token by token: leave out "
                              "--resume and --checkpoint")
-        if self.batch > 1 and (self.stream or self.context is not None or self.checkpoint is not None
-                               or self.max_tokens is not None or self.jsonl is not None
-                               or self.save_logits is not None or self.kl_base is not None):
+        if self.one_stream() and (parse_batch(self.batch) or 1) > 1:
             raise UsageError("--batch scores a folder's documents side by side, each from its own cache: leave out "
                              "--stream, --context, --checkpoint, --max-tokens, --jsonl, --save-logits and --kl-base, "
                              "which follow one stream at a time")
         if self.overwrite and self.checkpoint is None:
             raise UsageError("--overwrite goes with --checkpoint (it starts over in a folder holding a checkpoint)")
+
+    def one_stream(self) -> bool:
+        """Whether an option follows one stream token by token (so documents cannot be read side by side)."""
+        return (self.stream or self.context is not None or self.checkpoint is not None or self.max_tokens is not None
+                or self.jsonl is not None or self.save_logits is not None or self.kl_base is not None)
 
     def check_ranks(self, ranks: Ranks) -> None:
         """Several ranks share whole documents: what follows one stream token by token needs one process."""
@@ -211,10 +227,11 @@ def ppl(
                                                  "KL divergence, same top token %.")] = None,
     logits_top_k: Annotated[int | None, typer.Option("--logits-top-k", help="Tokens per position --save-logits "
                                                      "keeps; the others are one bucket (default 32).")] = None,
-    batch: Annotated[int, typer.Option("--batch", help="Score this many documents of a folder side by side, each "
+    batch: Annotated[str, typer.Option("--batch", help="Score this many documents of a folder side by side, each "
                                        "from its own fresh cache, their blocks in one forward: the same numbers "
                                        "per document as one at a time (within float rounding), faster on a GPU "
-                                       "with a small model; little gain on a CPU.")] = 1,
+                                       "with a small model; little gain on a CPU. auto: as many as half the GPU's "
+                                       "free memory holds (1 on a CPU).")] = "1",
     *,
     setup: Setup,
 ) -> None:
@@ -395,12 +412,31 @@ def score(opts: PplOptions, checked: CheckedPpl, setup: Setup, ranks: Ranks, ref
                 on_document=on_document, checkpoint=saver, on_logits=side.on_logits if side.hooked else None,
                 failures=side.failures, rows_identity=rows_identity("ppl", **identity(loaded, engine),
                                                                     context=opts.context, stride=opts.stride),
-                batch=opts.batch)
+                batch=resolve_batch(checked.batch, engine, documents, setup, opts.one_stream()))
         finished = totals
     finally:
         side.close(finished)
         ranks.close()
     return Scored(loaded, engine, totals, doc_rows, peak, job, saver, side)
+
+
+def resolve_batch(batch: int | None, engine: Engine, documents, setup: Setup, one_stream: bool) -> int:
+    """``--batch``'s documents in flight: the number given, or for ``auto`` 1 on a CPU, for one document or with an
+    option that follows one stream, else as many as the GPU's free memory holds (:func:`choose_batch`), said on
+    stderr."""
+    import torch
+
+    from kvcli.engine.batched import choose_batch
+
+    if batch is not None:
+        return batch
+    if engine.device.type != "cuda" or len(documents) < 2 or one_stream:
+        return 1
+    free, _ = torch.cuda.mem_get_info(engine.device)
+    longest = max(doc.size or 0 for doc in documents)  # bytes: at least the tokens an unbounded cache would hold
+    chosen = choose_batch(engine, longest, free)
+    setup.note(f"--batch auto: {chosen} documents at a time ({free / 2**30:.1f} GiB free)")
+    return chosen
 
 
 def _checkpointer(opts: PplOptions, checked: CheckedPpl, loaded: LoadedModel, engine: Engine) -> Checkpointer | None:

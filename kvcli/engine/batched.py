@@ -18,10 +18,40 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcli.engine.compression import compress_cache
-from kvcli.engine.engine import Engine, forget_scores
+from kvcli.engine.engine import Engine, forget_scores, kv_bytes_per_token
 from kvcli.engine.observation import plan_observation
 from kvcli.engine.streaming import BlockLedger, BlockStats, StreamTotals, blocks_of, score_block
 from kvcli.kv.cache import KVCache
+
+#: Share of a GPU's free memory the documents ``--batch auto`` puts in flight may take, by
+#: :func:`document_bytes`: the rest is for the allocator's fragmentation and what that estimate leaves out.
+BATCH_MEMORY_SHARE = 0.5
+#: The most documents ``--batch auto`` puts in flight: past a few dozen blocks of rows a GPU's matmuls gain little.
+MOST_DOCUMENTS = 64
+
+
+def document_bytes(engine: Engine, tokens: int) -> int:
+    """Device bytes one more document in flight may cost during a block, over-counted on purpose: its cache at the
+    largest layer budget (every token of a ``tokens``-long document for an unbounded method) plus a block, at the
+    model's precision in every layer; the block's activations through one layer (the residual stream, queries, keys,
+    values, the MLP's three widest tensors); one layer's attention probabilities of the block in float32."""
+    config = engine.model.config
+    budgets = [b for b in (engine.budgets or []) if b is not None]
+    held = (max(budgets) if budgets else tokens) + engine.block
+    dtype = next(engine.model.parameters()).dtype
+    element = torch.tensor([], dtype=dtype).element_size()
+    hidden = int(config.hidden_size)
+    widest = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    activations = engine.block * (6 * hidden + 3 * widest) * element
+    probabilities = int(config.num_attention_heads) * engine.block * held * 4
+    return kv_bytes_per_token(engine.model, dtype) * held + activations + probabilities
+
+
+def choose_batch(engine: Engine, longest: int, free_bytes: int) -> int:
+    """``--batch auto``: how many documents (the longest ``longest`` tokens) fit in flight in
+    :data:`BATCH_MEMORY_SHARE` of ``free_bytes``, from 1 to :data:`MOST_DOCUMENTS`."""
+    fits = int(free_bytes * BATCH_MEMORY_SHARE) // document_bytes(engine, longest)
+    return max(1, min(MOST_DOCUMENTS, fits))
 
 
 @torch.inference_mode()
