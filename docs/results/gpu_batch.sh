@@ -3,9 +3,11 @@
 # `.gpu-wheels` carried; ../shared/gpu/README.md): the issue's bench-speed lines (prefill, then decode
 # apart so that a failing decode loses only itself), the CUDA tests, and a
 # 1M-token stream. Each step has its own time limit and writes into $OUT, so a slow step loses only itself.
-#   bash docs/results/gpu_batch.sh [bench] [bench2048] [decode] [tests] [stream] [profile] [blockprofile]
+#   bash docs/results/gpu_batch.sh [bench] [bench2048] [decode] [tests] [stream] [profile] [blockprofile] [documents]
 #   (default: bench decode tests stream, in order)
 #   bash docs/results/gpu_batch.sh setup                      (only the install, before commands of your own)
+# `documents` (issue #56: a folder scored one at a time and with --batch auto) needs the default model's tokenizer
+# carried as .gpu-tokenizer/: mkdir .gpu-tokenizer && cp ~/.cache/kvcli/models/SmolLM2-*-float32-*/{tokenizer*,chat*} .gpu-tokenizer/
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --find-links .gpu-wheels --target /tmp/site \
@@ -40,7 +42,10 @@ for step in $steps; do
             tail -5 "$OUT/tests.txt" ;;
     stream) timeout 150 python3 -m kvcli bench-speed --shape llama-3.1-8b --methods treekv \
               --tokens 1048576 --json >"$OUT/stream-1m-8b.json" ;;
-    *)      echo "unknown step $step (bench, bench2048, decode, tests, stream, profile, blockprofile or setup)" >&2; exit 2 ;;
+    documents) timeout 400 python3 docs/results/documents_batch.py .gpu-tokenizer --documents 300 --batches 1,auto \
+              >"$OUT/documents.jsonl" 2>"$OUT/documents.txt"; cat "$OUT/documents.jsonl" ;;
+    *)      echo "unknown step $step (bench, bench2048, decode, tests, stream, profile, blockprofile, documents or setup)" >&2
+            exit 2 ;;
   esac
   echo "== $step: rc $? in $(( $(date +%s) - started )) s"
 done
