@@ -4,10 +4,11 @@ Usage: ``python docs/results/documents_batch.py TOKENIZER_DIR [--documents 1000]
 [--method snapkv] [--cache 1024] [--batches 1,auto] [--out FOLDER]``. It builds a random-weight model of the shape
 (speed does not depend on the weights; ``kvcli bench-speed``'s shapes) with the tokenizer of TOKENIZER_DIR (for
 example the SmolLM2 folder of ``~/.cache/kvcli/models``, carried as an ignored folder to a GPU machine), writes
-``--documents`` documents of 2,000-8,000 of its vocabulary's words (a little more in tokens), and runs ``kvcli ppl FOLDER --json`` once
-per ``--batches`` entry, as a user types it. It prints one JSON line per run (documents, tokens, seconds, tokens/s
-of the job, peak memory, the batch ``auto`` chose) and then whether every document's tokens, bytes and cache bytes
-are equal across the runs and the largest relative difference of a document's perplexity.
+``--documents`` documents of 2,000-8,000 of its vocabulary's words (a little more in tokens), and runs
+``kvcli ppl FOLDER --json`` once per ``--batches`` entry, as a user types it. It prints one JSON line per run
+(documents, tokens, seconds, tokens/s of the job, peak memory, the batch ``auto`` chose) and then whether every
+document's tokens, bytes and cache bytes are equal across the runs and the largest relative difference of a
+document's perplexity.
 """
 
 from __future__ import annotations
