@@ -134,3 +134,16 @@ def test_auto_on_a_cpu_reads_one_document_at_a_time(invoke, tiny_model_dir, tmp_
     auto = invoke(*common, "--batch", "auto")
     assert auto.exit_code == 0 and "--batch auto" not in auto.stderr
     assert json.loads(auto.stdout)["ppl"] == json.loads(invoke(*common).stdout)["ppl"]
+
+
+def test_ctrl_c_while_the_next_document_is_read_ends_the_run_the_same_way(tiny):
+    engine = Engine(tiny, make_method("snapkv", {}), 48, block=BLOCK)
+    docs = documents((16, 96, 40))
+
+    def read():
+        yield from docs
+        raise KeyboardInterrupt
+
+    finished = dict(score_documents(engine, read(), batch=2))  # 2 ends before 1, then the Ctrl-C comes
+    assert [(i, finished[i].interrupted) for i in sorted(finished)] == [(0, False), (1, True), (2, False)]
+    assert (finished[0].tokens, finished[2].tokens, finished[1].processed) == (15, 39, 4 * BLOCK)

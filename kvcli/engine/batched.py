@@ -157,9 +157,11 @@ def score_documents(engine: Engine, documents: Iterable[Sequence[int] | torch.Te
     if batch < 1:
         raise ValueError(f"a batch holds at least one document, not {batch}")
     rows = _Rows(engine, iter(enumerate(documents)), batch, on_block)
-    rows.fill()
-    while rows.rows:
-        try:
+    while True:
+        try:  # reading the next documents' tokens too: Ctrl-C there ends the run as it does a forward
+            rows.fill()
+            if not rows.rows:
+                return
             finished = rows.step()
         except KeyboardInterrupt:
             for row in rows.rows:
@@ -167,7 +169,6 @@ def score_documents(engine: Engine, documents: Iterable[Sequence[int] | torch.Te
             return
         for row in finished:
             yield row.index, _settled(row)
-        rows.fill()
 
 
 def _settled(row: _Row, interrupted: bool = False) -> StreamTotals:
