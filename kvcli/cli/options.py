@@ -219,16 +219,21 @@ def split_list(text: str, convert: Callable[[str], Any], what: str) -> list:
         raise UsageError(f"{what}: cannot read {text!r} as a comma-separated list") from None
 
 
-def parse_block(text: str | int) -> int | None:
-    """``--block``: a positive number of tokens, or ``auto`` (None: the engine picks per device)."""
+def parse_count(text: str | int, flag: str, unit: str) -> int | None:
+    """``flag``'s value: a positive number of ``unit``, or ``auto`` (None: kvcli chooses)."""
     if str(text).strip().lower() == "auto":
         return None
     try:
-        block = int(text)
+        count = int(text)
     except ValueError:
-        raise UsageError(f"--block must be a number of tokens or auto, not {text!r}") from None
-    check_at_least(1, block=block)
-    return block
+        raise UsageError(f"{flag} must be a number of {unit} or auto, not {text!r}") from None
+    check_at_least(1, **{flag.removeprefix("--").replace("-", "_"): count})
+    return count
+
+
+def parse_block(text: str | int) -> int | None:
+    """``--block``: a positive number of tokens, or ``auto`` (None: the engine picks per device)."""
+    return parse_count(text, "--block", "tokens")
 
 
 def parse_read_block(text: str | int) -> int:

@@ -29,6 +29,7 @@ from kvcli.cli.options import (
     join_ranks,
     parse_block,
     parse_bytes,
+    parse_count,
     parse_kv_bits,
     parse_options,
     with_setup,
@@ -76,14 +77,7 @@ class CheckedPpl:
 
 def parse_batch(text: str) -> int | None:
     """``--batch``: a number of documents (at least 1), or ``auto`` (None: chosen from free memory on a GPU)."""
-    if str(text).strip().lower() == "auto":
-        return None
-    try:
-        batch = int(text)
-    except ValueError:
-        raise UsageError(f"--batch must be a number of documents or auto, not {text!r}") from None
-    check_at_least(1, batch=batch)
-    return batch
+    return parse_count(text, "--batch", "documents")
 
 
 @dataclass(frozen=True)
