@@ -147,3 +147,17 @@ def test_ctrl_c_while_the_next_document_is_read_ends_the_run_the_same_way(tiny):
     finished = dict(score_documents(engine, read(), batch=2))  # 2 ends before 1, then the Ctrl-C comes
     assert [(i, finished[i].interrupted) for i in sorted(finished)] == [(0, False), (1, True), (2, False)]
     assert (finished[0].tokens, finished[2].tokens, finished[1].processed) == (15, 39, 4 * BLOCK)
+
+
+@pytest.mark.parametrize("protocol", [{"stream": True}, {"context": 64, "stride": 32}, {"max_tokens": 9}])
+def test_the_library_refuses_a_batch_with_a_one_stream_protocol_before_reading(tiny, protocol):
+    from kvcli.errors import UsageError
+    from kvcli.eval.perplexity import evaluate
+
+    class Loaded:  # evaluate reads only these before it refuses
+        device = torch.device("cpu")
+        tokenizer = None
+
+    engine = Engine(tiny, make_method("snapkv", {}), 48, block=BLOCK)
+    with pytest.raises(UsageError, match="documents protocol only"):
+        evaluate(Loaded(), [], engine, batch=2, **protocol)

@@ -102,6 +102,10 @@ def evaluate(
     reset_peak_memory(loaded.device)
     if loaded.device.type == "cuda":
         torch.cuda.synchronize(loaded.device)
+    if batch > 1 and (stream or checkpoint is not None or context is not None or max_tokens is not None
+                      or on_logits is not None):
+        raise UsageError("a batch of documents goes with the documents protocol only: no --stream, --context, "
+                         "--checkpoint, --max-tokens, --save-logits or --kl-base")
     ranks = ranks or Ranks()
     scoring = _StreamScoring(engine, loaded.tokenizer, context, stride, on_block, on_logits, checkpoint)
     if checkpoint is not None and not stream:
@@ -113,9 +117,6 @@ def evaluate(
         overall = scoring(token_stream(documents, loaded.tokenizer), None if max_tokens is None else max_tokens + 1)
         return overall, [], peak_memory_bytes(loaded.device), None
     if batch > 1:
-        if stream or context is not None or max_tokens is not None or on_logits is not None:
-            raise UsageError("a batch of documents goes with the documents protocol only: no --stream, --context, "
-                             "--checkpoint, --max-tokens, --save-logits or --kl-base")
         each = _BatchedDocuments(engine, loaded.tokenizer, batch, len(documents) > 1, on_block, on_document)
     else:
         each = _EachDocument(scoring, len(documents) > 1, max_tokens, on_document)
