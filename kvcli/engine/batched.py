@@ -26,7 +26,8 @@ from kvcli.kv.cache import KVCache
 #: Share of a GPU's free memory the documents ``--batch auto`` puts in flight may take, by
 #: :func:`document_bytes`: the rest is for the allocator's fragmentation and what that estimate leaves out.
 BATCH_MEMORY_SHARE = 0.5
-#: The most documents ``--batch auto`` puts in flight: past a few dozen blocks of rows a GPU's matmuls gain little.
+#: The most documents ``--batch auto`` puts in flight, whatever the free memory (not yet measured on a GPU;
+#: docs/corpora.md): a bound on the rows of one forward, which a large card would otherwise make huge.
 MOST_DOCUMENTS = 64
 
 
