@@ -167,7 +167,7 @@ def test_every_method_round_trips_through_a_file(tiny_model_dir, tmp_path, metho
     assert again.document_tokens == 85 + 60 and again.read_tokens + len(again.pending) == len(again.prefix) + 145
 
 
-def test_page_index_keeps_each_pages_channel_range():
+def test_page_index_keeps_every_tokens_keys_in_8_bits():
     from kvcli.reading.recall import PageIndex
 
     index = PageIndex([1, 2], heads=2, dim=4, page=4)
@@ -177,12 +177,43 @@ def test_page_index_keeps_each_pages_channel_range():
         index.add(list(range(start, stop)))
     tensors = index.tensors()
     rows = torch.stack([keys[layer][0].reshape(10, 2, 4) for layer in (1, 2)], dim=1)  # [n, layers, heads, dim]
-    assert tensors["recall.low"].shape == (2, 2, 2, 4)  # two whole pages; the last two tokens wait for more
-    for page in range(2):
-        chunk = rows[4 * page:4 * page + 4]
-        assert torch.equal(tensors["recall.low"][page], chunk.amin(dim=0).half())
-        assert torch.equal(tensors["recall.high"][page], chunk.amax(dim=0).half())
+    assert tensors["recall.keys"].shape == (10, 2, 2, 4) and tensors["recall.keys"].dtype == torch.int8
+    scale = tensors["recall.scales"].float().unsqueeze(-1)
+    assert torch.all((tensors["recall.keys"].float() * scale - rows).abs() <= scale / 2 + 1e-6)
+    assert torch.allclose(scale.squeeze(-1), (rows.abs().amax(dim=-1) / 127), rtol=1e-3)
     assert tensors["recall.ids"].tolist() == list(range(10)) and index.facts()["usable"]
+
+
+def test_key_rounding_cannot_overflow_or_divide_by_zero():
+    """Keys of zeros, of tiny and of huge magnitude (past float16's 65,504) round to finite values and scales."""
+    from kvcli.reading.recall import quantize
+
+    rows = torch.tensor([[0.0, 0.0, 0.0], [1e-9, -2e-9, 0.0], [3e9, -1e9, 5.0], [1e5, 7e4, -9e4]])
+    values, scale = quantize(rows)
+    assert torch.isfinite(scale.float()).all() and (scale.float() > 0).all()
+    assert torch.equal(values[0], torch.zeros(3, dtype=torch.int8))
+    back = values.float() * scale.float().unsqueeze(-1)
+    assert torch.all((back[3] - rows[3]).abs() <= scale[3].float() / 2 + 1)  # within half a step
+    assert values[2, 0] == 127  # clamped, not wrapped
+
+
+def test_recall_finds_the_page_whose_keys_match_the_question():
+    """The page scoring: a page holding one token whose key the queries match outweighs pages of keys that
+    spread widely but match nothing (the failure of a per-page channel range)."""
+    from kvcli.reading.recall import _page_shares, quantize
+
+    query = torch.ones(2, 8)
+    keys = torch.full((64, 8), -1.0)  # 8 pages of 8 tokens
+    for token in range(24):  # the first three pages: each token high in one channel, low in the others
+        keys[token] = -6.0
+        keys[token, token % 8] = 6.0
+    keys[45] = 2.0  # the one token that matches every channel of the question, in page 5
+    pages = keys.unflatten(0, (8, 8))
+    bound = (query[0] * pages.amax(dim=1)).sum(dim=-1)  # a page summary's upper bound (Quest)
+    assert bound.argmax().item() < 3  # ... prefers a page that spreads widely
+    values, scale = quantize(keys)
+    shares = _page_shares(query, values, scale, 8)
+    assert shares.argmax().item() == 5 and shares.shape == (8,)
 
 
 def test_recall_reads_whole_pages_of_the_document_again(invoke, saved, tiny_model_dir):
@@ -201,6 +232,17 @@ def test_recall_reads_whole_pages_of_the_document_again(invoke, saved, tiny_mode
     assert all(row["recall_tokens"] == 0 for row in off["answers"])
     assert "--recall goes with" in one_line_error(invoke("ask", str(saved.with_suffix(".txt")), "Who?", "--recall",
                                                         "64"), code=2)
+
+
+def test_a_read_with_an_older_index_is_refused_recall(saved):
+    """A file from the kvcli whose index held page ranges (no ``kind``) answers, but not with --recall."""
+    from kvcli.errors import KvcliError
+    from kvcli.reading.saved import ReadState, recalled
+
+    state = ReadState.load(saved)
+    state.recall_facts.pop("kind")
+    with pytest.raises(KvcliError, match="no recall index this kvcli can use"):
+        recalled(None, state, None, None, 64)
 
 
 def test_another_dtype_is_refused(invoke, saved, tiny_model_dir):

@@ -2,27 +2,31 @@
 
 Beyond the papers (a reading choice of a read made without its question, ``kvcli ask FILE.kvc --recall N``).
 A read saved before any question is known keeps what its method chose without the question, and what it evicted
-is gone from the cache. While reading, :class:`PageIndex` keeps, for every page of :data:`PAGE` tokens and every
-KV head of the middle layers, the smallest and the largest value of each channel of the page's keys before RoPE
-(the page summary of Quest, Tang et al. 2024), and the token ids of the read. At question time the question's own
-queries (before RoPE, from a pass that stores nothing) bound each page's attention logit from above,
-``sum_d max(q_d * min_d, q_d * max_d)``; a page's weight is the largest softmax share of those bounds any of the
-question's tokens gives it, per query head, averaged over heads and layers; the heaviest pages are read once
-more, in stream order, after the document and before the question, as the recap of a streamed ``ask`` is
-(:mod:`kvcli.reading.recap`). The largest share rather than the mean over the question's tokens: one word of the
-question ("bridge") may be all that finds its page (docs/notes/2026-11-28-read-once.md).
+is gone from the cache. While reading, :class:`PageIndex` keeps every token's keys before RoPE in the middle
+layers, rounded to 8 bits per token and KV head, and the token ids of the read: the keys spilled off the device,
+as InfiniGen and Quest keep what they may fetch back. At question time the question's own queries (before RoPE,
+from a pass that stores nothing) attend to every token the read saw, per query head and layer; a page of
+:data:`PAGE` tokens weighs the largest share one of its tokens takes, the best over the question's tokens, averaged
+over KV heads and summed over layers; the heaviest pages are read once more, in stream order, after the document
+and before the question, as the recap of a streamed ``ask`` is (:mod:`kvcli.reading.recap`).
 
 The rules, and why:
 
+* Every token's keys, not a page summary: Quest's channel-wise bounds of a page favour the pages whose keys spread
+  widest, so every question chose the same few pages; each token's own key finds the page that holds the words
+  the question repeats (docs/notes/2026-11-29-recall-exact-keys.md).
+* The largest share a page's tokens take, from the question token that gives it most: one word of the question
+  ("bridge") may be all that finds its page, and one token of the page may be all it matches.
 * Keys and queries before RoPE: a page's positions were re-assigned or evicted long before the question, so only
   the content of the keys can be compared (Quest compares after RoPE, within one context window).
+* 8 bits a channel, symmetric per token and KV head (a float16 scale, the largest magnitude over 127, kept within
+  float16's normal range): the ranking of pages does not move from the model's precision, at half its bytes.
 * The middle layers (a third to five sixths of the depth), as the recap: the bottom layers' question attention is
   spread, the top layers' goes to the answer's format.
 * The pages of the prompt's start (the chat template) and the document's last tokens (read with the question in
   any case) are never recalled.
-* Memory: the summaries and ids grow with the read (4 bytes a token for the ids, ``2 x layers x heads x dim``
-  half floats a page), on the host once the read is done; the device holds the cache, the recalled tokens and one
-  block.
+* Memory: the keys and ids grow with the read (``layers x heads x (dim + 2) + 4`` bytes a token: 3,172 for
+  SmolLM2-135M), on the host and in the file; the device holds the cache, the recalled tokens and one block.
 """
 
 from __future__ import annotations
@@ -31,31 +35,34 @@ from contextlib import contextmanager
 
 import torch
 
+from kvcli.kv.architecture import head_shape
 from kvcli.reading.recap import scored_layers
 
 #: Tokens per page of the index: the unit recalled.
 PAGE = 32
 
+#: What :class:`PageIndex` stores, recorded in a saved read: a file without it has no index this kvcli can use.
+KIND = "keys-int8"
+
+_HALF = torch.finfo(torch.float16)
+
 
 class PageIndex:
-    """Per page of :data:`PAGE` tokens of a read: the channel-wise min and max of its keys before RoPE in the middle
-    layers (``[pages, layers, heads, dim]``, half floats) and the read's token ids, for :meth:`select`."""
+    """Every token of a read: its keys before RoPE in the middle layers as int8 (``[tokens, layers, heads, dim]``)
+    with a float16 scale per token and KV head, and the read's token ids, for :func:`select`."""
 
     def __init__(self, layers: list[int], heads: int, dim: int, page: int = PAGE):
         self.layers, self.heads, self.dim, self.page = layers, heads, dim, page
-        self.low: list[torch.Tensor] = []  # per block: [pages, layers, heads, dim]
-        self.high: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor] = []  # per block: [n, layers, heads, dim] int8
+        self.scales: list[torch.Tensor] = []  # per block: [n, layers, heads] float16
         self.ids: list[int] = []
         self.usable = True  # False once a layer saw only some tokens of a block (a nested read)
         self._keys: dict[int, torch.Tensor] = {}
-        self._open: torch.Tensor | None = None  # keys [n < page, layers, heads, dim] of the page not yet full
 
     @classmethod
     def for_model(cls, model) -> PageIndex:
-        config = model.config
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        return cls(list(scored_layers(config.num_hidden_layers)), heads, dim)
+        heads, dim = head_shape(model.config)
+        return cls(list(scored_layers(model.config.num_hidden_layers)), heads, dim)
 
     @contextmanager
     def recording(self, decoder):
@@ -64,30 +71,36 @@ class PageIndex:
             yield self
 
     def add(self, ids: list[int]) -> None:
-        """The block ``ids`` was just read: its keys (noted while :meth:`recording`) join the pages."""
+        """The block ``ids`` was just read: its keys (noted while :meth:`recording`) join the index."""
         keys = [self._keys.pop(i, None) for i in self.layers]
         self.ids.extend(ids)
         if not self.usable or any(k is None or k.shape[1] != len(ids) for k in keys):
             self.usable = False
             return
-        rows = torch.stack([k[0].reshape(len(ids), self.heads, self.dim) for k in keys], dim=1)
-        if self._open is not None:
-            rows = torch.cat((self._open, rows))
-        whole = rows.shape[0] // self.page * self.page
-        pages = rows[:whole].float().unflatten(0, (-1, self.page))
-        self.low.append(pages.amin(dim=1).half())
-        self.high.append(pages.amax(dim=1).half())
-        self._open = rows[whole:]
+        rows = torch.stack([k[0].reshape(len(ids), self.heads, self.dim) for k in keys], dim=1).float()
+        values, scale = quantize(rows)
+        self.keys.append(values.cpu())
+        self.scales.append(scale.cpu())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """What a saved read stores of the index: every whole page's min and max, and the ids read."""
-        empty = torch.zeros((0, len(self.layers), self.heads, self.dim), dtype=torch.float16)
-        return {"recall.low": torch.cat(self.low).cpu() if self.low else empty,
-                "recall.high": torch.cat(self.high).cpu() if self.high else empty,
+        """What a saved read stores of the index: every token's rounded keys and scales, and the ids read."""
+        shape = (0, len(self.layers), self.heads)
+        return {"recall.keys": torch.cat(self.keys) if self.keys else torch.zeros((*shape, self.dim), dtype=torch.int8),
+                "recall.scales": torch.cat(self.scales) if self.scales else torch.zeros(shape, dtype=torch.float16),
                 "recall.ids": torch.tensor(self.ids, dtype=torch.int32)}
 
     def facts(self) -> dict:
-        return {"layers": self.layers, "heads": self.heads, "dim": self.dim, "page": self.page, "usable": self.usable}
+        return {"layers": self.layers, "heads": self.heads, "dim": self.dim, "page": self.page,
+                "usable": self.usable, "kind": KIND}
+
+
+def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` ``[..., dim]`` as int8 and one float16 scale per row: ``rows ~= values * scale``, each element
+    within half a scale step, the scale the row's largest magnitude over 127 within float16's normal range (a row
+    of zeros, or one past 65,504 x 127, cannot make it 0 or infinite)."""
+    scale = (rows.abs().amax(dim=-1) / 127).clamp(_HALF.tiny, _HALF.max).half()
+    values = (rows / scale.float().unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return values, scale
 
 
 def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix: list[int],
@@ -95,8 +108,8 @@ def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix:
     """The ids of the pages the question points at most, in stream order, at most ``tokens`` of them; never a page
     before stream index ``first`` (the prompt's start). The queries are those of the ``suffix``'s tokens in ``span``
     (the question's own words; None: all) from a pass of the suffix after ``cache``, which keeps nothing of it."""
-    low, high = tensors["recall.low"].float(), tensors["recall.high"].float()
-    pages, page = low.shape[0], int(facts["page"])
+    keys, scales, page = tensors["recall.keys"], tensors["recall.scales"], int(facts["page"])
+    pages = keys.shape[0] // page
     count = min(tokens // page, pages)
     if count < 1 or not suffix:
         return []
@@ -107,15 +120,21 @@ def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix:
     weight = torch.zeros(pages)
     for j, layer in enumerate(facts["layers"]):
         q = queries[layer][0].reshape(len(suffix), -1, int(facts["dim"]))[start:end].float().cpu()  # [n, Hq, D]
-        heads = low.shape[2]
-        q = q.unflatten(1, (heads, -1)).permute(1, 0, 2, 3).flatten(1, 2)  # [H, n * group, D]
-        bound = q.clamp(min=0) @ high[:, j].permute(1, 2, 0) + q.clamp(max=0) @ low[:, j].permute(1, 2, 0)
-        share = torch.softmax(bound / q.shape[-1] ** 0.5, dim=-1)  # [H, n * group, pages]
-        weight += share.amax(dim=1).mean(dim=0)  # each head's best query for the page: one question word may find it
+        q = q.unflatten(1, (keys.shape[2], -1))  # [n, H, group, D]
+        for head in range(keys.shape[2]):
+            weight += _page_shares(q[:, head].flatten(0, 1), keys[: pages * page, j, head],
+                                   scales[: pages * page, j, head], page) / keys.shape[2]
     weight[: -(-first // page)] = -1.0  # pages that hold the prompt's start
     chosen = sorted(weight.topk(count).indices.tolist())
     ids = tensors["recall.ids"].tolist()
     return [token for p in chosen if weight[p] >= 0 for token in ids[p * page:(p + 1) * page]]
+
+
+def _page_shares(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, page: int) -> torch.Tensor:
+    """Per page: the largest attention share any of ``queries`` ``[m, D]`` gives one of its tokens, each query
+    attending to every token of ``keys`` ``[T, D]`` (int8, ``scales`` ``[T]``), ``T`` whole pages."""
+    logits = (queries @ keys.float().T) * (scales.float() / queries.shape[-1] ** 0.5)  # [m, T]
+    return torch.softmax(logits, dim=-1).unflatten(-1, (-1, page)).amax(dim=-1).amax(dim=0)
 
 
 def key_module(attention):

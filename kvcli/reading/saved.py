@@ -31,6 +31,7 @@ from kvcli.io.outputs import atomic_write
 from kvcli.kv.snapshot import SnapshotError, restore_cache, snapshot_cache
 from kvcli.reading.generate import Generation
 from kvcli.reading.prompts import PromptParts, build_prompt, question_instruction
+from kvcli.reading.recall import KIND as RECALL_KIND
 from kvcli.reading.recall import PageIndex, select
 
 __all__ = ["FORMAT", "SUFFIX", "ReadState", "answer", "identity_difference", "is_saved_read", "prompt_parts",
@@ -119,9 +120,9 @@ class ReadState:
 
 def recalled(reader, state: ReadState, cache, parts: PromptParts, tokens: int) -> list[int]:
     """The ids of the pages of ``state`` the question of ``parts`` points at, at most ``tokens``."""
-    if not state.recall_facts.get("usable"):
-        raise KvcliError("this read has no recall index (a read that nests its layers, pyramidinfer, or a file of "
-                         "an older kvcli): ask without --recall")
+    if not state.recall_facts.get("usable") or state.recall_facts.get("kind") != RECALL_KIND:
+        raise KvcliError("this read has no recall index this kvcli can use (a read that nests its layers, "
+                         "pyramidinfer, or a file of an older kvcli): ask without --recall, or read the book again")
     return select(reader.engine, cache, state.recall_tensors, state.recall_facts, parts.suffix, parts.question_span,
                   tokens, len(state.prefix))
 
