@@ -45,7 +45,7 @@ def test_saved_read_answers_as_a_fresh_ask_without_probe(invoke, tiny_model_dir,
     assert 1 <= info["pending_tokens"] <= 32 and info["max_cache_tokens"] <= 64 + 32
 
     asked = invoke("ask", str(saved), *QUESTIONS, "--model", str(tiny_model_dir), "--quiet", "--max-new-tokens", "12",
-                   "--json")
+                   "--recall", "0", "--json")
     assert asked.exit_code == 0, asked.stderr
     answers = json.loads(asked.stdout)["answers"]
     assert [row["question"] for row in answers] == QUESTIONS
@@ -234,6 +234,27 @@ def test_recall_reads_whole_pages_of_the_document_again(invoke, saved, tiny_mode
                                                         "64"), code=2)
 
 
+def test_recall_is_on_by_default_where_the_read_kept_its_index(invoke, saved, tiny_model_dir, tmp_path):
+    """A saved read recalls RECALL_TOKENS by default; a read with no index it can use (here an older kvcli's)
+    answers without recall unless --recall is asked for, which is refused with one line."""
+    from kvcli.reading.recap import RECALL_TOKENS
+    from kvcli.reading.saved import ReadState
+
+    state = ReadState.load(saved)
+    whole_pages = (state.read_tokens - len(state.prefix)) // state.recall_facts["page"] * state.recall_facts["page"]
+    asked = invoke("ask", str(saved), QUESTIONS[0], "--model", str(tiny_model_dir), "--quiet", *ANSWER, "--json")
+    assert asked.exit_code == 0, asked.stderr
+    assert 0 < json.loads(asked.stdout)["answers"][0]["recall_tokens"] <= min(RECALL_TOKENS, whole_pages)
+    older = tmp_path / "older.kvc"
+    state.recall_facts.pop("kind")
+    state.save(older)
+    plain = invoke("ask", str(older), QUESTIONS[0], "--model", str(tiny_model_dir), "--quiet", *ANSWER, "--json")
+    assert plain.exit_code == 0, plain.stderr
+    assert json.loads(plain.stdout)["answers"][0]["recall_tokens"] == 0
+    error = one_line_error(invoke("ask", str(older), QUESTIONS[0], "--model", str(tiny_model_dir), "--recall", "64"))
+    assert "no recall index this kvcli can use" in error
+
+
 def test_a_read_with_an_older_index_is_refused_recall(saved):
     """A file from the kvcli whose index held page ranges (no ``kind``) answers, but not with --recall."""
     from kvcli.errors import KvcliError
@@ -270,3 +291,12 @@ def test_answering_leaves_the_saved_state_as_it_was(tiny_model_dir, method):
     first = answer(reader, state, QUESTIONS[0], 10)
     assert all(torch.equal(before[name], tensor) for name, tensor in state.tensors.items())
     assert answer(reader, state, QUESTIONS[0], 10).ids == first.ids
+
+
+def test_recalled_pages_come_heaviest_last_with_neighbours_in_order():
+    from kvcli.reading.recall import heaviest_last
+
+    weight = torch.tensor([0.0, 0.9, 0.1, 0.5, 0.6, 0.0, 0.2, 0.0])
+    # pages 1, 3, 4, 6 chosen: 3 and 4 form one passage (its heaviest 0.6), read in stream order
+    assert heaviest_last(weight, 4) == [6, 3, 4, 1]
+    assert heaviest_last(weight, 1) == [1]

@@ -116,7 +116,7 @@ def report_read(state: ReadState, out: Path, size: int, loaded, engine, setup: S
 
 
 def ask_many(ctx: typer.Context, source: str, questions: list[str], setup: Setup, read: ReadOptions,
-             frame: bool, save: Path | None, recall: int = 0) -> None:
+             frame: bool, save: Path | None, recall: int | None = None) -> None:
     """``kvcli ask`` from a saved read, or with several questions or ``--save``: one read without a question (or
     the saved one), then every question answered from it."""
     from kvcli.reading.saved import is_saved_read
@@ -172,7 +172,7 @@ def open_saved(ctx: typer.Context, path: Path, setup: Setup):
 
 
 def answer_all(state: ReadState, questions: list[str], loaded, engine, setup: Setup, read: ReadOptions,
-               repetition, frame: bool, recall: int = 0) -> None:
+               repetition, frame: bool, recall: int | None = None) -> None:
     """Every question answered from ``state``, in order: the text streamed on stdout (after ``Q: question`` when
     there are several), or one JSON object at the end with ``--json``; each answer's cost on stderr."""
     from kvcli.io.report import StdoutStream, dumps, peak_memory_bytes, print_result, reset_peak_memory

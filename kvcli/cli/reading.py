@@ -37,7 +37,7 @@ from kvcli.cli.options import (
 )
 from kvcli.errors import UsageError
 from kvcli.reading.prompts import ANSWER_REPETITION, SUMMARY_REPETITION, Instruction, Repetition
-from kvcli.reading.recap import RECAP_TOKENS
+from kvcli.reading.recap import RECALL_TOKENS, RECAP_TOKENS
 from kvcli.reading.sections import SECTION_TOKENS
 
 if TYPE_CHECKING:  # the command's module is imported by --help: torch is imported where it is used
@@ -491,10 +491,12 @@ def ask(
     save: Annotated[Path | None, typer.Option("--save", help="Read SOURCE once without the question, save the read "
                                               "to this FILE.kvc (as `kvcli read` does), then answer from it.")
                     ] = None,
-    recall: Annotated[int, typer.Option("--recall", help="With a read made without the question (FILE.kvc, several "
-                                        "questions, --save): first read again at most this many tokens of the pages "
-                                        "the question points at (beyond the papers; docs/reading.md). 0 = off.")
-                      ] = 0,
+    recall: Annotated[int | None, typer.Option("--recall", help="With a read made without the question (FILE.kvc, "
+                                               "several questions, --save): first read again at most this many "
+                                               "tokens of the pages the question points at (beyond the papers; "
+                                               "docs/reading.md). 0 = off. Default: "
+                                               f"{RECALL_TOKENS} where the read kept its index, else 0.",
+                                               show_default=False)] = None,
 ) -> None:
     """Answer QUESTION about SOURCE; the question steers which tokens the compressed cache keeps.
 
@@ -507,7 +509,7 @@ def ask(
     from kvcli.reading.saved import is_saved_read
 
     questions = collect_questions(question or [], questions_file)
-    if recall < 0:
+    if recall is not None and recall < 0:
         raise UsageError(f"--recall must be 0 (off) or a number of tokens, not {recall}")
     if len(questions) > 1 or save is not None or is_saved_read(source):
         if read.each:

@@ -7,7 +7,7 @@ layers, rounded to 8 bits per token and KV head, and the token ids of the read: 
 as InfiniGen and Quest keep what they may fetch back. At question time the question's own queries (before RoPE,
 from a pass that stores nothing) attend to every token the read saw, per query head and layer; a page of
 :data:`PAGE` tokens weighs the largest share one of its tokens takes, the best over the question's tokens, averaged
-over KV heads and summed over layers; the heaviest pages are read once more, the heaviest last, after the
+over KV heads and summed over layers; the heaviest pages are read once more, the heaviest passage last, after the
 document and before the question, as the recap of a streamed ``ask`` is (:mod:`kvcli.reading.recap`).
 
 The rules, and why:
@@ -19,8 +19,9 @@ The rules, and why:
   ("bridge") may be all that finds its page, and one token of the page may be all it matches.
 * Keys and queries before RoPE: a page's positions were re-assigned or evicted long before the question, so only
   the content of the keys can be compared (Quest compares after RoPE, within one context window).
-* The heaviest page last, next to the question: a small model copies the nearest sentence that fits the question,
-  so pages in stream order let the latest of several similar facts answer every question about any of them.
+* The heaviest passage last, next to the question: a small model copies the nearest sentence that fits the
+  question, so pages in stream order let the latest of several similar facts answer every question about any of
+  them. Neighbouring pages stay together in stream order: a fact that crosses a page's end is read whole.
 * 8 bits a channel, symmetric per token and KV head (a float16 scale, the largest magnitude over 127, kept within
   float16's normal range): the ranking of pages does not move from the model's precision, at half its bytes.
 * The middle layers (a third to five sixths of the depth), as the recap: the bottom layers' question attention is
@@ -107,9 +108,10 @@ def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix: list[int],
            span: tuple[int, int] | None, tokens: int, first: int) -> list[int]:
-    """The ids of the pages the question points at most, the heaviest last, at most ``tokens`` of them; never a page
-    before stream index ``first`` (the prompt's start). The queries are those of the ``suffix``'s tokens in ``span``
-    (the question's own words; None: all) from a pass of the suffix after ``cache``, which keeps nothing of it."""
+    """The ids of the pages the question points at most (:func:`heaviest_last`), at most ``tokens`` of them; never a
+    page before stream index ``first`` (the prompt's start). The queries are those of the ``suffix``'s tokens in
+    ``span`` (the question's own words; None: all) from a pass of the suffix after ``cache``, which keeps nothing of
+    it."""
     keys, scales, page = tensors["recall.keys"], tensors["recall.scales"], int(facts["page"])
     pages = keys.shape[0] // page
     count = min(tokens // page, pages)
@@ -127,9 +129,22 @@ def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix:
             weight += _page_shares(q[:, head].flatten(0, 1), keys[: pages * page, j, head],
                                    scales[: pages * page, j, head], page) / keys.shape[2]
     weight[: -(-first // page)] = -1.0  # pages that hold the prompt's start
-    chosen = weight.topk(count).indices.flip(0).tolist()  # the heaviest last
+    chosen = [p for p in heaviest_last(weight, count) if weight[p] >= 0]
     ids = tensors["recall.ids"].tolist()
-    return [token for p in chosen if weight[p] >= 0 for token in ids[p * page:(p + 1) * page]]
+    return [token for p in chosen for token in ids[p * page:(p + 1) * page]]
+
+
+def heaviest_last(weight: torch.Tensor, count: int) -> list[int]:
+    """The ``count`` heaviest pages, neighbours joined into passages in stream order (a sentence that crosses a
+    page's end stays whole), the passages lightest first and the heaviest (by its heaviest page) last."""
+    runs: list[list[int]] = []
+    for p in sorted(weight.topk(count).indices.tolist()):
+        if runs and runs[-1][-1] == p - 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    runs.sort(key=lambda run: max(weight[p].item() for p in run))
+    return [p for run in runs for p in run]
 
 
 def _page_shares(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, page: int) -> torch.Tensor:

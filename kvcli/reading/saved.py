@@ -33,6 +33,7 @@ from kvcli.reading.generate import Generation
 from kvcli.reading.prompts import PromptParts, build_prompt, question_instruction
 from kvcli.reading.recall import KIND as RECALL_KIND
 from kvcli.reading.recall import PageIndex, select
+from kvcli.reading.recap import RECALL_TOKENS
 
 __all__ = ["FORMAT", "SUFFIX", "ReadState", "answer", "identity_difference", "is_saved_read", "prompt_parts",
            "read_identity", "read_once"]
@@ -71,6 +72,10 @@ class ReadState:
             raise KvcliError(f"the saved read does not fit this cache ({exc}): read the book again") from None
 
     # --- the file -------------------------------------------------------------------------------------------------
+    def can_recall(self) -> bool:
+        """Whether the read kept an index this kvcli recalls from (not a nested read, not an older file's)."""
+        return bool(self.recall_facts.get("usable")) and self.recall_facts.get("kind") == RECALL_KIND
+
     def save(self, path: Path) -> int:
         """Write the state to ``path`` at once; return the file's size in bytes."""
         from safetensors.torch import save
@@ -120,7 +125,7 @@ class ReadState:
 
 def recalled(reader, state: ReadState, cache, parts: PromptParts, tokens: int) -> list[int]:
     """The ids of the pages of ``state`` the question of ``parts`` points at, at most ``tokens``."""
-    if not state.recall_facts.get("usable") or state.recall_facts.get("kind") != RECALL_KIND:
+    if not state.can_recall():
         raise KvcliError("this read has no recall index this kvcli can use (a read that nests its layers, "
                          "pyramidinfer, or a file of an older kvcli): ask without --recall, or read the book again")
     return select(reader.engine, cache, state.recall_tensors, state.recall_facts, parts.suffix, parts.question_span,
@@ -244,12 +249,16 @@ def read_once(reader, document: Iterable[list[int]], identity: dict | None = Non
 
 
 def answer(reader, state: ReadState, question: str | PromptParts, max_new_tokens: int = 128,
-           on_text: Callable[[str], None] | None = None, recall: int = 0) -> Generation:
+           on_text: Callable[[str], None] | None = None, recall: int | None = None) -> Generation:
     """Answer ``question`` (framed as ``ask`` frames it, or the prompt :func:`prompt_parts` built) from ``state``: a
     fresh copy of its cache, the document's last tokens and the question read as the last block of a streamed
     ``ask`` without a probe, then the answer written. ``recall``: first read again at most this many tokens of the
     pages the question points at (:mod:`kvcli.reading.recall`), after the document and before the question; 0:
-    none. Nothing in ``state`` changes, so every question of a read starts from the same cache."""
+    none, so the answer is a fresh ``ask --no-probe --no-one-shot``'s; None: :data:`RECALL_TOKENS` where the read
+    kept its index, else none. Nothing in ``state`` changes, so every question of a read starts from the same
+    cache."""
+    if recall is None:
+        recall = RECALL_TOKENS if state.can_recall() else 0
     parts = prompt_parts(reader.tokenizer, question) if isinstance(question, str) else question
     if list(parts.prefix) != state.prefix:
         raise KvcliError("the saved read began with another prompt start (chat template) than this question's: read "
