@@ -293,10 +293,12 @@ def test_answering_leaves_the_saved_state_as_it_was(tiny_model_dir, method):
     assert answer(reader, state, QUESTIONS[0], 10).ids == first.ids
 
 
-def test_recalled_pages_come_heaviest_last_with_neighbours_in_order():
+def test_recalled_pages_come_heaviest_last_each_with_the_next():
     from kvcli.reading.recall import heaviest_last
 
-    weight = torch.tensor([0.0, 0.9, 0.1, 0.5, 0.6, 0.0, 0.2, 0.0])
-    # pages 1, 3, 4, 6 chosen: 3 and 4 form one passage (its heaviest 0.6), read in stream order
-    assert heaviest_last(weight, 4) == [6, 3, 4, 1]
+    weight = torch.tensor([-1.0, 0.9, 0.1, 0.2, 0.6, 0.0, 0.5, 0.05, 0.3])
+    # 1 with 2, 4 with 5, then 6 alone (with 7 they would be six pages), joining 4-5 into one passage (its
+    # heaviest 0.6) read in stream order; the heaviest passage, 1-2, last
+    assert heaviest_last(weight, 5) == [4, 5, 6, 1, 2]
     assert heaviest_last(weight, 1) == [1]
+    assert heaviest_last(torch.tensor([-1.0, 0.1, 0.9]), 4) == [1, 2]  # the last page has no next; -1 never

@@ -21,7 +21,8 @@ The rules, and why:
   the content of the keys can be compared (Quest compares after RoPE, within one context window).
 * The heaviest passage last, next to the question: a small model copies the nearest sentence that fits the
   question, so pages in stream order let the latest of several similar facts answer every question about any of
-  them. Neighbouring pages stay together in stream order: a fact that crosses a page's end is read whole.
+  them. Each page comes with the page after it, and neighbouring pages stay together in stream order: the answer
+  follows the words the question repeats, and may cross the page's end.
 * 8 bits a channel, symmetric per token and KV head (a float16 scale, the largest magnitude over 127, kept within
   float16's normal range): the ranking of pages does not move from the model's precision, at half its bytes.
 * The middle layers (a third to five sixths of the depth), as the recap: the bottom layers' question attention is
@@ -129,16 +130,22 @@ def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix:
             weight += _page_shares(q[:, head].flatten(0, 1), keys[: pages * page, j, head],
                                    scales[: pages * page, j, head], page) / keys.shape[2]
     weight[: -(-first // page)] = -1.0  # pages that hold the prompt's start
-    chosen = [p for p in heaviest_last(weight, count) if weight[p] >= 0]
+    chosen = heaviest_last(weight, count)
     ids = tensors["recall.ids"].tolist()
     return [token for p in chosen for token in ids[p * page:(p + 1) * page]]
 
 
 def heaviest_last(weight: torch.Tensor, count: int) -> list[int]:
-    """The ``count`` heaviest pages, neighbours joined into passages in stream order (a sentence that crosses a
-    page's end stays whole), the passages lightest first and the heaviest (by its heaviest page) last."""
+    """At most ``count`` pages: the heaviest (``weight`` >= 0) each with the page after it, neighbours joined into
+    passages in stream order, the passages lightest first and the heaviest (by its heaviest page) last."""
+    chosen: set[int] = set()
+    for p in weight.argsort(descending=True).tolist():
+        if len(chosen) >= count or weight[p] < 0:
+            break
+        pair = {p, p + 1} if p + 1 < weight.numel() else {p}
+        chosen |= pair if len(chosen | pair) <= count else {p}
     runs: list[list[int]] = []
-    for p in sorted(weight.topk(count).indices.tolist()):
+    for p in sorted(chosen):
         if runs and runs[-1][-1] == p - 1:
             runs[-1].append(p)
         else:
