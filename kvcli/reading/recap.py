@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the CLI reads the defau
 RECAP_TOKENS = 512
 #: What an answer from a read made without its question re-reads at most by default (:mod:`kvcli.reading.recall`;
 #: chosen on the tuning haystack, docs/notes/2026-11-29-recall-exact-keys.md).
-RECALL_TOKENS = 512
+RECALL_TOKENS = 256
 #: Tokens each side of a peak that its passage keeps: a short sentence around a word the question finds.
 RADIUS = 8
 #: Tokens past its radius a passage may take on each side to finish a word (a 7-digit key is 7 tokens).
