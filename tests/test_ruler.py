@@ -94,6 +94,9 @@ def test_the_command_prints_one_score_per_cell_and_resumes(invoke, tiny_model_di
     assert len(rows.read_text().splitlines()) == 8
     again = invoke("ruler", *common, "--json", "--rows", str(rows), "--resume")
     assert again.exit_code == 0 and json.loads(again.stdout)["trials"] == data["trials"]
+    assert all("params" in json.loads(line) for line in rows.read_text().splitlines())
+    other = invoke("ruler", *common, "-o", "snapkv.window=4", "--rows", str(rows), "--resume")
+    assert other.exit_code != 0 and "is a trial of another run (its params" in other.stderr
     text = invoke("ruler", *common)
     assert text.exit_code == 0 and len(text.stdout.strip().splitlines()) == 2 + 6
 

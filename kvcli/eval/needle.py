@@ -22,7 +22,7 @@ from pathlib import Path
 from kvcli.engine.engine import Engine, check_budget
 from kvcli.errors import KvcliError, UsageError
 from kvcli.eval.kl import token_digest
-from kvcli.io.identity import as_json, first_difference, resumed_trials
+from kvcli.io.identity import as_json, method_params_check, resumed_trials
 from kvcli.io.outputs import RowLog
 from kvcli.reading.prompts import (
     ANSWER_REPETITION,
@@ -155,14 +155,9 @@ class TrialLog:
         """Start the file for ``run`` (``total`` trials); with ``resume``, the trials already there, by (method,
         length, depth, trial)."""
         self.run = as_json({**self.about, **run})  # compared with rows read back, whose tuples are lists
-        params = as_json(params)
         done: dict[tuple, Trial] = {}
-        def other_params(row: dict) -> str | None:
-            if row.get("method") not in params:
-                return None
-            return first_difference({"params": row.get("params")}, {"params": params[row["method"]]})
-
-        for trial in resumed_trials(self.log, self.resume, "trial", self.run, Trial, "needle trial", other_params):
+        for trial in resumed_trials(self.log, self.resume, "trial", self.run, Trial, "needle trial",
+                                    method_params_check(params)):
             trial.correct = is_correct(trial.answer, trial.key)  # graded again: rows of an older grader count alike
             done[(trial.method, trial.length, trial.depth, trial.trial)] = trial
         if self.resume and self.note:

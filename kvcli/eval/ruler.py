@@ -33,7 +33,7 @@ from kvcli.eval.needle import (
     is_correct,
     wilson_interval,
 )
-from kvcli.io.identity import as_json, resumed_trials
+from kvcli.io.identity import as_json, method_params_check, resumed_trials
 from kvcli.io.outputs import RowLog
 from kvcli.reading.prompts import build_prompt, encode, question_frame, question_instruction
 
@@ -546,7 +546,8 @@ def check_ratio_budget(built: dict, cache: int, ratio: float, sample: Sample) ->
 
 class RulerLog:
     """``kvcli ruler --rows``: every finished trial a JSON line at once; with ``resume`` the trials already there
-    are taken, never those of another run (model, book, settings: each row records ``run``)."""
+    are taken, never those of another run (model, book, settings: each row records ``run``) nor of a method read
+    with other parameters (each row records its method's ``params``)."""
 
     FLAG = "--rows"
 
@@ -557,19 +558,21 @@ class RulerLog:
         self.about = dict(about or {})
         self.note = note
         self.run: dict = {}
+        self.params: dict[str, dict] = {}
         self.written = 0
 
-    def open(self, run: dict, total: int) -> dict[tuple, Trial]:
-        self.run = as_json({**self.about, **run})
+    def open(self, run: dict, params: dict[str, dict], total: int) -> dict[tuple, Trial]:
+        self.run, self.params = as_json({**self.about, **run}), as_json(params)
         done: dict[tuple, Trial] = {}
-        for trial in resumed_trials(self.log, self.resume, "task", self.run, Trial, "ruler trial"):
+        for trial in resumed_trials(self.log, self.resume, "task", self.run, Trial, "ruler trial",
+                                    method_params_check(params)):
             done[(trial.task, trial.length, trial.index, trial.method, trial.ratio)] = trial
         if self.resume and self.note:
             self.note(f"took {len(done)} of {total} trials from {self.log.path}")
         return done
 
     def add(self, trial: Trial) -> None:
-        self.log.append({**asdict(trial), "run": self.run})
+        self.log.append({**asdict(trial), "params": self.params.get(trial.method), "run": self.run})
         self.written += 1
 
 
@@ -617,7 +620,7 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
         # A row's ratio is in its key, not in the run: a resume may add ratios, as it may add tasks or samples.
         run = {key: value for key, value in result.settings.items() if key not in ("params", "samples", "ratios")}
         run.update(dtype=str(next(model.parameters()).dtype), book_sha256=book_digest)
-        previous = log.open(run, total)
+        previous = log.open(run, result.settings["params"], total)
     reading = Reading(model, tokenizer, built, block, kv_bits, recap, one_shot, probe, warn,
                       stop_token_ids(tokenizer, model))
     for length in lengths:

@@ -43,6 +43,19 @@ def first_difference(old, new: dict) -> str | None:
     return f"its {first} is {old.get(first)!r}, this run's {new.get(first)!r}{also}"
 
 
+def method_params_check(params: dict[str, dict]) -> Callable[[dict], str | None]:
+    """For :func:`resumed_trials`' ``also``: a row of a method this run reads must record the parameters it reads
+    with (``params[method]``), so that a resume never takes rows of ``-o`` settings other than this run's."""
+    params = as_json(params)
+
+    def differs(row: dict) -> str | None:
+        if row.get("method") not in params:
+            return None
+        return first_difference({"params": row.get("params")}, {"params": params[row["method"]]})
+
+    return differs
+
+
 def resumed_trials(log, resume: bool, required: str, run: dict, record: type, name: str,
                    also: Callable[[dict], str | None] | None = None) -> Iterator:
     """The trials a rows file ``log`` (:class:`kvcli.io.outputs.RowLog`) holds when resuming, each read back as a
