@@ -124,7 +124,7 @@ class PplOptions:
         block = parse_block(self.block)
         bits = parse_kv_bits(self.kv_bits)
         keys = check_kv_keys(self.kv_keys)
-        self._check_together()
+        self._check_together(batch)
         from kvcli.eval.checkpoint import parse_every  # imports torch: after the checks that need none
 
         every_tokens, every_seconds = parse_every(self.checkpoint_every)
@@ -133,8 +133,9 @@ class PplOptions:
                   else make_method(self.method, parse_options(self.option)))
         return CheckedPpl(block, bits, keys, every_tokens, every_seconds, nbytes, method, batch)
 
-    def _check_together(self) -> None:
-        """Options that only make sense with another, or that choose between protocols."""
+    def _check_together(self, batch: int | None) -> None:
+        """Options that only make sense with another, or that choose between protocols (``batch``: --batch parsed,
+        None for auto)."""
         if (self.context is None) != (self.stride is None):
             raise UsageError("--context and --stride go together")
         if self.context is not None and not 1 <= self.stride <= self.context:
@@ -156,7 +157,7 @@ class PplOptions:
         if (self.save_logits is not None or self.kl_base is not None) and (self.resume or self.checkpoint is not None):
             raise UsageError("--save-logits and --kl-base follow one uninterrupted run token by token: leave out "
                              "--resume and --checkpoint")
-        if self.one_stream() and (parse_batch(self.batch) or 1) > 1:
+        if self.one_stream() and (batch or 1) > 1:
             raise UsageError("--batch scores a folder's documents side by side, each from its own cache: leave out "
                              "--stream, --context, --checkpoint, --max-tokens, --jsonl, --save-logits and --kl-base, "
                              "which follow one stream at a time")
