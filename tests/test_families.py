@@ -373,3 +373,37 @@ def test_a_model_without_rope_gets_one_line_and_exit_1(invoke, book, tmp_path, s
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "no rotary position embedding" in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recall_sees_the_keys_and_queries_each_family_rotates(models, family, monkeypatch):
+    """The recall index (kvcli.reading.recall) reads each layer's keys and queries before RoPE from its projections:
+    they must be what the model itself hands to RoPE, whatever the layout (per-head norms before or after the
+    heads are split, a norm over the whole projection, a fused qkv_proj)."""
+    import importlib
+
+    from kvcli.kv.architecture import head_shape
+    from kvcli.reading.recall import _capture
+
+    model = model_of(models, family)
+    modeling = importlib.import_module(type(model).__module__)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rotate = modeling.apply_rotary_pos_emb
+
+    def record(q, k, *args, **kwargs):
+        seen.append((q[0].transpose(0, 1).clone(), k[0].transpose(0, 1).clone()))  # [n, heads, dim] each
+        return rotate(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", record)
+    heads, dim = head_shape(model.config)
+    layers = list(range(model.config.num_hidden_layers))
+    keys: dict[int, torch.Tensor] = {}
+    queries: dict[int, torch.Tensor] = {}
+    decoder = model.model
+    with torch.no_grad(), _capture(decoder, layers, "k", heads, dim, keys), \
+            _capture(decoder, layers, "q", model.config.num_attention_heads, dim, queries):
+        model(input_ids=stream_ids(12, seed=5)[None])
+    assert len(seen) == len(layers)
+    for layer, (q, k) in zip(layers, seen, strict=True):
+        assert torch.allclose(keys[layer], k, atol=1e-6), (family, layer)
+        assert torch.allclose(queries[layer], q, atol=1e-6), (family, layer)

@@ -171,12 +171,12 @@ def test_page_index_keeps_every_tokens_keys_in_8_bits():
     from kvcli.reading.recall import PageIndex
 
     index = PageIndex([1, 2], heads=2, dim=4, page=4)
-    keys = {layer: torch.randn(1, 10, 2 * 4) for layer in (1, 2)}  # k_proj's output: [1, n, heads * dim]
+    keys = {layer: torch.randn(10, 2, 4) for layer in (1, 2)}  # keys before RoPE: [n, heads, dim]
     for start, stop in ((0, 6), (6, 10)):  # a page spans the two blocks
-        index._keys.update({layer: k[:, start:stop] for layer, k in keys.items()})
+        index._keys.update({layer: k[start:stop] for layer, k in keys.items()})
         index.add(list(range(start, stop)))
     tensors = index.tensors()
-    rows = torch.stack([keys[layer][0].reshape(10, 2, 4) for layer in (1, 2)], dim=1)  # [n, layers, heads, dim]
+    rows = torch.stack([keys[layer] for layer in (1, 2)], dim=1)  # [n, layers, heads, dim]
     assert tensors["recall.keys"].shape == (10, 2, 2, 4) and tensors["recall.keys"].dtype == torch.int8
     scale = tensors["recall.scales"].float().unsqueeze(-1)
     assert torch.all((tensors["recall.keys"].float() * scale - rows).abs() <= scale / 2 + 1e-6)

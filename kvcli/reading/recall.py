@@ -71,17 +71,17 @@ class PageIndex:
     @contextmanager
     def recording(self, decoder):
         """While in the block, the keys every forward makes in the middle layers are noted for :meth:`add`."""
-        with _capture(decoder, self.layers, key_module, self._keys):
+        with _capture(decoder, self.layers, "k", self.heads, self.dim, self._keys):
             yield self
 
     def add(self, ids: list[int]) -> None:
         """The block ``ids`` was just read: its keys (noted while :meth:`recording`) join the index."""
         keys = [self._keys.pop(i, None) for i in self.layers]
         self.ids.extend(ids)
-        if not self.usable or any(k is None or k.shape[1] != len(ids) for k in keys):
+        if not self.usable or any(k is None or k.shape[0] != len(ids) for k in keys):
             self.usable = False
             return
-        rows = torch.stack([k[0].reshape(len(ids), self.heads, self.dim) for k in keys], dim=1).float()
+        rows = torch.stack(keys, dim=1).float()  # [n, layers, heads, dim]
         values, scale = quantize(rows)
         self.keys.append(values.cpu())
         self.scales.append(scale.cpu())
@@ -119,13 +119,13 @@ def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix:
     if count < 1 or not suffix:
         return []
     queries: dict[int, torch.Tensor] = {}
-    with _capture(engine.decoder, facts["layers"], query_module, queries):
+    query_heads = int(engine.model.config.num_attention_heads)
+    with _capture(engine.decoder, facts["layers"], "q", query_heads, int(facts["dim"]), queries):
         engine.probe(cache, torch.tensor([suffix], dtype=torch.long))
     start, end = span or (0, len(suffix))
     weight = torch.zeros(pages)
     for j, layer in enumerate(facts["layers"]):
-        q = queries[layer][0].reshape(len(suffix), -1, int(facts["dim"]))[start:end].float().cpu()  # [n, Hq, D]
-        q = q.unflatten(1, (keys.shape[2], -1))  # [n, H, group, D]
+        q = queries[layer][start:end].float().cpu().unflatten(1, (keys.shape[2], -1))  # [n, H, group, D]
         for head in range(keys.shape[2]):
             weight += _page_shares(q[:, head].flatten(0, 1), keys[: pages * page, j, head],
                                    scales[: pages * page, j, head], page) / keys.shape[2]
@@ -161,25 +161,41 @@ def _page_shares(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor
     return torch.softmax(logits, dim=-1).unflatten(-1, (-1, page)).amax(dim=-1).amax(dim=0)
 
 
-def key_module(attention):
-    """The module whose output is the layer's keys before RoPE: the key norm where the model has one, else k_proj."""
-    return getattr(attention, "k_norm", None) or attention.k_proj
+def before_rope(output: torch.Tensor, attention, kind: str, heads: int, dim: int) -> torch.Tensor:
+    """A layer's keys (``kind`` "k", ``heads`` KV heads) or queries ("q") before RoPE, ``[n, heads, dim]``, from the
+    output ``[1, n, ...]`` of its projection (:func:`projection`): the slice of a fused ``qkv_proj`` (Phi-3), then
+    the layer's own ``k_norm``/``q_norm`` where it has one, over a head (Gemma 3, Qwen 3) or over the whole
+    projection (OLMo 2), as the model applies it before RoPE."""
+    fused = getattr(attention, f"{kind}_proj", None) is None
+    if fused:
+        queries = output.shape[-1] - 2 * int(attention.config.num_key_value_heads) * dim
+        output = output[..., :queries] if kind == "q" else output[..., queries:queries + heads * dim]
+    rows = output[0]
+    norm = getattr(attention, f"{kind}_norm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.numel() == rows.shape[-1]:
+        return norm(rows).unflatten(-1, (heads, dim))  # one norm over the whole projection
+    rows = rows.unflatten(-1, (heads, dim))
+    return norm(rows) if norm is not None else rows
 
 
-def query_module(attention):
-    """The module whose output is the layer's queries before RoPE (q_norm where the model has one, else q_proj)."""
-    return getattr(attention, "q_norm", None) or attention.q_proj
+def projection(attention, kind: str):
+    """The module whose output holds the layer's keys (``kind`` "k") or queries ("q"): ``k_proj``/``q_proj``, or a
+    fused ``qkv_proj``."""
+    return getattr(attention, f"{kind}_proj", None) or attention.qkv_proj
 
 
 @contextmanager
-def _capture(decoder, layers: list[int], module_of, into: dict[int, torch.Tensor]):
-    """Within the block, ``into[layer]`` is the output of ``module_of(layer's attention)`` of the last forward."""
+def _capture(decoder, layers: list[int], kind: str, heads: int, dim: int, into: dict[int, torch.Tensor]):
+    """Within the block, ``into[layer]`` is the layer's keys or queries before RoPE (:func:`before_rope`,
+    ``[n, heads, dim]``) of the last forward."""
     def hook(layer: int):
+        attention = decoder.layers[layer].self_attn
+
         def keep(module, args, output) -> None:
-            into[layer] = output
+            into[layer] = before_rope(output, attention, kind, heads, dim)
         return keep
 
-    hooks = [module_of(decoder.layers[i].self_attn).register_forward_hook(hook(i)) for i in layers]
+    hooks = [projection(decoder.layers[i].self_attn, kind).register_forward_hook(hook(i)) for i in layers]
     try:
         yield
     finally:
