@@ -37,11 +37,16 @@ def fresh_answer(invoke, book, model_dir, question: str, method: str, *extra: st
 
 @pytest.mark.parametrize(("method", "extra"), [("treekv", ()), ("snapkv", ()), ("streamingllm", ("--kv-bits", "4"))])
 def test_saved_read_answers_as_a_fresh_ask_without_probe(invoke, tiny_model_dir, book, tmp_path, method, extra):
+    from kvcli.reading.saved import ReadState
+
     saved = tmp_path / "book.kvc"
     made = invoke("read", str(book), "--out", str(saved), *options(tiny_model_dir, method, *extra), "--json")
     assert made.exit_code == 0, made.stderr
     info = json.loads(made.stdout)
     assert info["file_bytes"] == saved.stat().st_size and info["document_tokens"] > 32 * 3
+    state = ReadState.load(saved)  # every token read, its keys in 8 bits and a scale per KV head, and its id
+    layers, heads, dim = len(state.recall_facts["layers"]), state.recall_facts["heads"], state.recall_facts["dim"]
+    assert info["recall_index_bytes"] == len(state.recall_tensors["recall.ids"]) * (layers * heads * (dim + 2) + 4)
     assert 1 <= info["pending_tokens"] <= 32 and info["max_cache_tokens"] <= 64 + 32
 
     asked = invoke("ask", str(saved), *QUESTIONS, "--model", str(tiny_model_dir), "--quiet", "--max-new-tokens", "12",

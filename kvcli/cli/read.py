@@ -103,15 +103,17 @@ def report_read(state: ReadState, out: Path, size: int, loaded, engine, setup: S
     from kvcli.io.report import dumps, mib, print_result
 
     tokens = state.document_tokens
+    index = state.recall_bytes()
     if json_out:
-        print_result(dumps({"out": str(out), "file_bytes": size, "document_tokens": tokens,
+        print_result(dumps({"out": str(out), "file_bytes": size, "recall_index_bytes": index, "document_tokens": tokens,
                             "pending_tokens": len(state.pending), "max_cache_tokens": state.max_cache_tokens,
                             "read_seconds": state.read_seconds, "model": loaded.name, "method": engine.method.name,
                             "params": engine.method.settings(), "cache": engine.budget, "block": engine.block,
                             "kv_bits": engine.kv_bits}))
         return
     setup.note(f"read {tokens:,} tokens in {state.read_seconds:.1f} s into {out} ({mib(size)}, "
-               f"{size / tokens:,.0f} bytes per token read) · {loaded.name} · {engine.method.name} · cache "
+               f"{size / tokens:,.0f} bytes per token read, {mib(index)} of them the recall index) · {loaded.name} · "
+               f"{engine.method.name} · cache "
                f"{'unbounded' if engine.budget is None else f'{engine.budget:,} tokens/layer'} · block {engine.block}")
 
 

@@ -72,6 +72,11 @@ class ReadState:
             raise KvcliError(f"the saved read does not fit this cache ({exc}): read the book again") from None
 
     # --- the file -------------------------------------------------------------------------------------------------
+    def recall_bytes(self) -> int:
+        """Bytes of the recall index (every token's keys, scales and ids): it grows with the document, on the host
+        and in the file, where the cache does not."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.recall_tensors.values())
+
     def can_recall(self) -> bool:
         """Whether the read kept an index this kvcli recalls from (not a nested read, not an older file's)."""
         return bool(self.recall_facts.get("usable")) and self.recall_facts.get("kind") == RECALL_KIND
