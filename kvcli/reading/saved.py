@@ -91,9 +91,9 @@ class ReadState:
                   "read_seconds": self.read_seconds, "recall": self.recall_facts}
         body = save({**self.tensors, **self.recall_tensors})
         header["data_sha256"] = hashlib.sha256(_data(body)).hexdigest()
-        data = _with_metadata(body, {FORMAT: json.dumps(header, default=str)})
-        atomic_write(Path(path), data)
-        return len(data)
+        parts = _with_metadata(body, {FORMAT: json.dumps(header, default=str)})
+        atomic_write(Path(path), parts)
+        return sum(len(part) for part in parts)
 
     @classmethod
     def load(cls, path: Path) -> ReadState:
@@ -170,21 +170,22 @@ def _header(raw: bytes, path: Path) -> dict:
     return header
 
 
-def _with_metadata(raw: bytes, metadata: dict[str, str]) -> bytes:
-    """The safetensors file ``raw`` with ``metadata`` in its header: the header is rewritten, the tensor data (which
-    the metadata cannot change, and which may be large) is not serialized again. The header is padded with spaces
-    to a multiple of 8 bytes, as safetensors writes it."""
+def _with_metadata(raw: bytes, metadata: dict[str, str]) -> tuple[bytes, memoryview]:
+    """The safetensors file ``raw`` with ``metadata`` in its header, as its two parts: the header rewritten, and the
+    tensor data (which the metadata cannot change, and which may be large: never copied). The header is padded with
+    spaces to a multiple of 8 bytes, as safetensors writes it."""
     size = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + size])
     header["__metadata__"] = metadata
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text + raw[8 + size:]
+    return len(text).to_bytes(8, "little") + text, _data(raw)
 
 
-def _data(raw: bytes) -> bytes:
-    """The tensor data of a safetensors file: what follows its 8-byte length and its JSON header."""
-    return raw[8 + int.from_bytes(raw[:8], "little"):]
+def _data(raw: bytes) -> memoryview:
+    """The tensor data of a safetensors file: what follows its 8-byte length and its JSON header (a view, not a
+    copy: a saved read of a long book holds hundreds of megabytes of index)."""
+    return memoryview(raw)[8 + int.from_bytes(raw[:8], "little"):]
 
 
 def _ids(value) -> list[int]:
