@@ -87,10 +87,12 @@ class PageIndex:
         self.scales.append(scale.cpu())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """What a saved read stores of the index: every token's rounded keys and scales, and the ids read."""
+        """What a saved read stores of the index: every token's rounded keys and scales, and the ids read. The
+        blocks are joined once and kept joined, so the index is never held twice."""
         shape = (0, len(self.layers), self.heads)
-        return {"recall.keys": torch.cat(self.keys) if self.keys else torch.zeros((*shape, self.dim), dtype=torch.int8),
-                "recall.scales": torch.cat(self.scales) if self.scales else torch.zeros(shape, dtype=torch.float16),
+        self.keys = [torch.cat(self.keys) if self.keys else torch.zeros((*shape, self.dim), dtype=torch.int8)]
+        self.scales = [torch.cat(self.scales) if self.scales else torch.zeros(shape, dtype=torch.float16)]
+        return {"recall.keys": self.keys[0], "recall.scales": self.scales[0],
                 "recall.ids": torch.tensor(self.ids, dtype=torch.int32)}
 
     def facts(self) -> dict:
