@@ -60,8 +60,10 @@ def read(
     """Read SOURCE once into a fixed-size compressed cache and save it, to ask it questions later.
 
     `kvcli ask FILE.kvc QUESTION...` then answers without reading the book again. The read knows no question, so
-    nothing steers what the cache keeps; each answer equals `kvcli ask SOURCE QUESTION --no-probe --no-one-shot`
-    with the same options. The file holds the model's fingerprint: another model is refused.
+    nothing steers what the cache keeps; the file also keeps every token's keys (8 bits, the middle layers), from
+    which each question first recalls the pages it points at (--recall; with --recall 0 an answer equals `kvcli ask
+    SOURCE QUESTION --no-probe --no-one-shot` with the same options). The file holds the model's fingerprint:
+    another model is refused.
     """
     made = build_method(method, option, cache)
     block_size, bits = parse_read_block(block), parse_kv_bits(kv_bits)
