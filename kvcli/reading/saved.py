@@ -28,6 +28,7 @@ import torch
 
 from kvcli.errors import KvcliError
 from kvcli.io.outputs import atomic_write
+from kvcli.kv.quant import nbytes
 from kvcli.kv.snapshot import SnapshotError, restore_cache, snapshot_cache
 from kvcli.reading.generate import Generation
 from kvcli.reading.prompts import PromptParts, build_prompt, question_instruction
@@ -75,7 +76,7 @@ class ReadState:
     def recall_bytes(self) -> int:
         """Bytes of the recall index (every token's keys, scales and ids): it grows with the document, on the host
         and in the file, where the cache does not."""
-        return sum(tensor.numel() * tensor.element_size() for tensor in self.recall_tensors.values())
+        return sum(nbytes(tensor) for tensor in self.recall_tensors.values())
 
     def can_recall(self) -> bool:
         """Whether the read kept an index this kvcli recalls from (not a nested read, not an older file's)."""
