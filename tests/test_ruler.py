@@ -129,6 +129,35 @@ def test_a_ruler_trial_answers_what_ask_answers_on_its_text(invoke, tiny_model_d
     assert ("Read the text above" in data["frame"]) == (not frame)
 
 
+@pytest.mark.parametrize("recall", ["0", "32"])
+def test_a_read_once_trial_answers_what_ask_answers_from_the_saved_read(invoke, tiny_model_dir, smol_tokenizer,
+                                                                      ruler_book, tmp_path, recall):
+    common = [*tiny(tiny_model_dir), "--cache", "48", "--block", "64", "--max-new-tokens", "24"]
+    result = invoke("ruler", str(ruler_book), "--tasks", "niah_single_2", "--methods", "snapkv", "--lengths", "700",
+                    "--samples", "1", "--read-once", "--recall", recall, "--json", *common)
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    (trial,) = data["trials"]
+    assert data["saved"] == int(recall) and not trial["one_shot"]
+    sample = make_sample(smol_tokenizer, Book(ruler_book.read_text()), "niah_single_2", 700, 0)
+    document, saved = tmp_path / "document.txt", tmp_path / "document.kvc"
+    document.write_text(sample.document, encoding="utf-8")
+    made = invoke("read", str(document), "--out", str(saved), "--method", "snapkv", *common[:-2])
+    assert made.exit_code == 0, made.stderr
+    asked = json.loads(invoke("ask", str(saved), sample.question, "--answer-prefix", sample.answer_prefix,
+                              "--recall", recall, *tiny(tiny_model_dir), "--max-new-tokens", "24", "--json").stdout)
+    (row,) = asked["answers"]
+    assert row["answer"][len(sample.answer_prefix):].strip() == trial["answer"]
+
+
+@pytest.mark.parametrize(("arguments", "says"), [(["--recall", "8"], "--recall goes with --read-once"),
+                                                 (["--read-once", "--recap", "64"], "--recap do not apply"),
+                                                 (["--read-once", "--recall", "-1"], "--recall must be")])
+def test_read_once_options_that_do_not_fit_are_one_line(invoke, ruler_book, arguments, says):
+    result = invoke("ruler", str(ruler_book), *arguments, "--model", "/nonexistent")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1 and says in result.stderr
+
+
 def test_a_ratio_keeps_what_kvpress_keeps_of_the_context_and_the_question_whole():
     from kvcli.eval.ruler import kept_tokens
 

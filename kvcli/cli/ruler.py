@@ -26,7 +26,7 @@ from kvcli.cli.options import (
 )
 from kvcli.cli.reading import NoFrameOpt, OneShotOpt, ProbeOpt, RecapOpt, check_recap
 from kvcli.errors import UsageError
-from kvcli.reading.recap import RECAP_TOKENS
+from kvcli.reading.recap import RECALL_TOKENS, RECAP_TOKENS
 
 if TYPE_CHECKING:
     from kvcli.eval.ruler import Book
@@ -90,6 +90,12 @@ def ruler(
     probe: ProbeOpt = True,
     recap: RecapOpt = RECAP_TOKENS,
     no_frame: NoFrameOpt = False,
+    read_once: Annotated[bool, typer.Option("--read-once", help="Read each sample without its question, as `kvcli "
+                                            "read` does, then ask it from that read, as `kvcli ask BOOK.kvc` does "
+                                            "(docs/ruler.md).")] = False,
+    recall: Annotated[int, typer.Option("--recall", help="With --read-once: read again at most this many tokens of "
+                                        "the pages the question points at before it (0 = off), as `kvcli ask "
+                                        "BOOK.kvc --recall`.")] = RECALL_TOKENS,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object: every trial and the scores.")] = False,
     rows: TrialRowsOpt = None,
     resume: ResumeTrialsOpt = False,
@@ -116,6 +122,7 @@ def ruler(
     check_at_least(1, samples=samples, max_new_tokens=max_new_tokens)
     check_at_least(64, lengths=min(length_list))
     check_recap(recap)
+    saved = saved_recall(ctx, read_once, recall)
     block_size = parse_read_block(block)
     bits = parse_kv_bits(kv_bits)
     check_cache(cache)
@@ -136,8 +143,24 @@ def ruler(
         return
     _run(setup, documents, task_list, method_list, length_list, samples=samples, cache=cache, ratios=ratio_list,
          block=block_size, seed=seed, max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe,
-         options=per_method, bits=bits, recap=recap, frame=not no_frame, json_out=json_out, rows=rows, resume=resume,
-         plot=plot)
+         options=per_method, bits=bits, recap=recap, frame=not no_frame, saved=saved, json_out=json_out, rows=rows,
+         resume=resume, plot=plot)
+
+
+def saved_recall(ctx: typer.Context, read_once: bool, recall: int) -> int | None:
+    """The recall of a ``--read-once`` run (None without it). Such a read knows no question, so the options of a
+    read with one (``--one-shot``, ``--probe``, ``--recap``) are refused, as ``--recall`` is without it."""
+    if not read_once:
+        if explicit(ctx, "recall"):
+            raise UsageError("--recall goes with --read-once: a read that knows its question recalls nothing")
+        return None
+    given = [flag for name, flag in (("one_shot", "--one-shot"), ("probe", "--probe"), ("recap", "--recap"))
+             if explicit(ctx, name)]
+    if given:
+        raise UsageError(f"--read-once reads without the question: {', '.join(given)} do not apply")
+    if recall < 0:
+        raise UsageError(f"--recall must be 0 (off) or a number of tokens, not {recall}")
+    return recall
 
 
 def known(names: list[str], choices, what: str) -> list[str]:
@@ -195,7 +218,7 @@ def _digest(text: str) -> str:
 
 
 def _run(setup: Setup, documents, task_list, method_list, length_list, *, samples, cache, ratios, block, seed,
-         max_new_tokens, one_shot, probe, options, bits, recap, frame, json_out, rows, resume, plot) -> None:
+         max_new_tokens, one_shot, probe, options, bits, recap, frame, saved, json_out, rows, resume, plot) -> None:
     from kvcli.eval.ruler import RulerLog, run_ruler
     from kvcli.io.report import dumps, print_result
 
@@ -212,8 +235,8 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
         result = run_ruler(loaded.model, loaded.tokenizer, book, task_list, method_list, lengths=length_list,
                            samples=samples, budget=cache, ratios=ratios, block=block, seed=seed,
                            max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe, options=options,
-                           kv_bits=bits, recap=recap, frame=frame, warn=setup.say, on_trial=on_trial, log=log,
-                           book_digest=_digest(text))
+                           kv_bits=bits, recap=recap, frame=frame, saved=saved, warn=setup.say, on_trial=on_trial,
+                           log=log, book_digest=_digest(text))
     except KeyboardInterrupt:
         if log is not None:
             setup.note(f"{log.written} new trials are in {rows}; the same command with --resume runs the rest")

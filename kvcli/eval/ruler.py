@@ -581,13 +581,16 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
               ratios: Sequence[float] | None = None, block: int = 1024, seed: int = 0,
               max_new_tokens: int | None = None, one_shot: bool | None = None, probe: bool = True,
               options: dict[str, dict] | None = None, kv_bits: int = 16, recap: int = 0, frame: bool = True,
-              warn: Callable[[str], None] | None = None, on_trial: Callable[[Trial, int, int], None] | None = None,
-              log: RulerLog | None = None, book_digest: str = "") -> RulerResult:
+              saved: int | None = None, warn: Callable[[str], None] | None = None,
+              on_trial: Callable[[Trial, int, int], None] | None = None, log: RulerLog | None = None,
+              book_digest: str = "") -> RulerResult:
     """Every sample of ``tasks`` x ``lengths`` read by every method as ``kvcli ask`` reads it (one shot when it
     fits the model's context, otherwise streamed with the question as probe, ``recap`` as ask's), graded by
     :func:`recall`. ``frame`` False asks RULER's question as written, without ask's frame (``kvcli ask --no-frame``);
     the samples are the same either way (sized with the frame). ``max_new_tokens`` caps every task's own answer
-    length (:attr:`Task.answer_tokens`).
+    length (:attr:`Task.answer_tokens`). ``saved``: each sample is read without its question, as ``kvcli read``
+    reads, and the question asked from that read as ``kvcli ask BOOK.kvc`` asks it, with ``saved`` tokens of
+    recall (:func:`kvcli.reading.saved.answer`; 0: none); None: the question is known while reading, as ``ask``.
     ``ratios`` instead of ``budget``: each sample is read once per ratio, at the budget kvpress would keep of it
     (:func:`ratio_budget`), and only in one shot."""
     from kvcli.engine.engine import Engine, check_budget
@@ -612,17 +615,20 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
                                    "block": block, "seed": seed, "samples": samples,
                                    "max_new_tokens": max_new_tokens, "one_shot": one_shot, "probe": probe,
                                    "kv_bits": kv_bits, "recap": recap, "frame": question_frame(tokenizer, frame),
-                                   "params": {name: m.settings() for name, m in built.items()}})
+                                   "saved": saved, "params": {name: m.settings() for name, m in built.items()}})
     levels: list[float | None] = list(ratios) if ratios else [None]
     total = len(tasks) * len(lengths) * samples * len(levels) * len(methods)
     previous: dict[tuple, Trial] = {}
     if log is not None:
         # A row's ratio is in its key, not in the run: a resume may add ratios, as it may add tasks or samples.
-        run = {key: value for key, value in result.settings.items() if key not in ("params", "samples", "ratios")}
+        # A read that knew its question records no ``saved``: the rows written before reads from a saved one
+        # existed are its rows.
+        run = {key: value for key, value in result.settings.items()
+               if key not in ("params", "samples", "ratios") and not (key == "saved" and value is None)}
         run.update(dtype=str(next(model.parameters()).dtype), book_sha256=book_digest)
         previous = log.open(run, result.settings["params"], total)
     reading = Reading(model, tokenizer, built, block, kv_bits, recap, one_shot, probe, warn,
-                      stop_token_ids(tokenizer, model))
+                      stop_token_ids(tokenizer, model), saved)
     for length in lengths:
         for name in tasks:
             answer_tokens = answer_limit(name, max_new_tokens)
@@ -676,6 +682,7 @@ class Reading:
     probe: bool
     warn: Callable[[str], None] | None
     stop_ids: set[int]
+    saved: int | None = None  # read without the question, then asked with this much recall (run_ruler's ``saved``)
 
     def trial(self, sample: Sample, parts, method: str, ratio: float | None, cache: int,
               answer_tokens: int) -> Trial:
@@ -687,7 +694,13 @@ class Reading:
         engine = Engine(self.model, self.built[method], cache, block=self.block, warn=self.warn, kv_bits=self.kv_bits)
         reader = Reader(engine, self.tokenizer, stop_ids=self.stop_ids, recap=self.recap, repetition=ANSWER_REPETITION)
         started = time.perf_counter()
-        gen = reader.run(parts, [sample.doc], answer_tokens, one_shot=self.one_shot, probe=self.probe)
+        if self.saved is None:
+            gen = reader.run(parts, [sample.doc], answer_tokens, one_shot=self.one_shot, probe=self.probe)
+        else:
+            from kvcli.reading.saved import answer as answer_saved
+            from kvcli.reading.saved import read_once
+
+            gen = answer_saved(reader, read_once(reader, [sample.doc]), parts, answer_tokens, recall=self.saved)
         answer = gen.text.strip()
         return Trial(sample.task, sample.length, sample.index, method, sample.outputs, answer,
                      recall(answer, sample.outputs), gen.prompt_tokens, gen.one_shot, gen.max_cache_tokens,
