@@ -112,10 +112,12 @@ class Reader:
             limit = None
         chunks = iter(document)
         buffered, whole = _opening(parts, chunks, limit)
-        if whole:
+        if whole and not self._recaps_whole(parts, probe, len(buffered)):
             hidden = self._read_whole(cache, parts, buffered, result, started)
         else:
-            hidden = self._stream(cache, parts, buffered, chunks, result, probe, started)
+            result.one_shot = whole  # with a recap: the document in one forward, then recap and question
+            hidden = self._stream(cache, parts, buffered, chunks, result, probe, started,
+                                  len(buffered) - 1 if whole else None)
         result.read_seconds = time.perf_counter() - started
         return hidden[-1:]
 
@@ -133,15 +135,22 @@ class Reader:
         self._progress(result.prompt_tokens, cache, started)
         return hidden
 
+    def _recaps_whole(self, parts: PromptParts, probe: bool, buffered: int) -> bool:
+        """Whether a prompt that fits one forward (``buffered`` tokens before the question) is read with a recap:
+        the reader has one, the question probes, and the method must compress the prompt to its budget."""
+        engine = self.engine
+        return (bool(self.recap) and probe and bool(parts.suffix) and engine.compresses()
+                and engine.budget is not None and buffered + len(parts.suffix) > engine.budget)
+
     def _stream(self, cache, parts: PromptParts, pending: list[int], rest: Iterator[list[int]],
-                result: Generation, probe: bool, started: float) -> torch.Tensor:
-        """The prompt in blocks of the engine's size, compressed after each, with the question as the probe
-        of every block (``probe``), then the recap, and the question at the end of the last block."""
+                result: Generation, probe: bool, started: float, block: int | None = None) -> torch.Tensor:
+        """The prompt in blocks of ``block`` tokens (None: the engine's), compressed after each, with the question
+        as the probe of every block (``probe``), then the recap, and the question at the end of the last block."""
         suffix = parts.suffix
         probe_ids = torch.tensor([suffix], dtype=torch.long) if probe and suffix else None
         recap = Recap(self.recap, first=len(parts.prefix)) if self.recap and probe_ids is not None else None
         read = self.read_blocks(cache, pending, _chain([[]], rest), result, started, probe=probe_ids, recap=recap,
-                                span=parts.question_span)
+                                span=parts.question_span, block=block)
         document = read + len(pending) - len(parts.prefix)
         held = len(suffix)
         if recap is not None and (again := recap.passages(word_joins(self.tokenizer))):
@@ -160,11 +169,13 @@ class Reader:
 
     def read_blocks(self, cache, pending: list[int], chunks: Iterable[list[int]], result: Generation,
                     started: float, *, read: int = 0, probe: torch.Tensor | None = None, recap: Recap | None = None,
-                    span: tuple[int, int] | None = None, after: Callable[[list[int]], None] | None = None) -> int:
+                    span: tuple[int, int] | None = None, after: Callable[[list[int]], None] | None = None,
+                    block: int | None = None) -> int:
         """Add ``chunks`` to ``pending`` and read every whole block of it but the last (read with the question),
         ``probe`` scoring each, ``recap`` observing it, ``after`` given its ids once read; the tokens read so far
-        (``read`` before). ``pending`` is left holding the 1 to ``block`` tokens not read yet."""
-        block = self.engine.block
+        (``read`` before). ``pending`` is left holding the 1 to ``block`` tokens not read yet (None: the engine's
+        block)."""
+        block = block or self.engine.block
         for chunk in chunks:
             pending.extend(chunk)
             while len(pending) > block:  # keep at least one token back for the last block
