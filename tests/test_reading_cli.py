@@ -94,7 +94,7 @@ def test_ask_without_its_frame_reads_the_question_as_written(invoke, tiny_model_
     from kvcli.reading.prompts import ASK_FRAME, build_prompt, question_instruction
 
     common = ["ask", "-", "Who is tired?", *tiny(tiny_model_dir), "--method", "snapkv", "--cache", "64",
-              "--max-new-tokens", "2", "--json"]
+              "--max-new-tokens", "2", "--recap", "0", "--json"]  # no recap: the prompt is the text and question
     framed = json.loads(invoke(*common, input=TEXT[:400]).stdout)
     bare = json.loads(invoke(*common, "--no-frame", input=TEXT[:400]).stdout)
     suffix = build_prompt(smol_tokenizer, question_instruction("Who is tired?", frame=False)).suffix

@@ -148,10 +148,12 @@ def ids_of(n: int, seed: int) -> list[int]:
     return torch.randint(20, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def read_with(model, recap: int, method: str = "snapkv", last: dict | None = None, block: int = 16):
-    """A streamed read of a document with a question; ``last`` gets the last read forward's ids and ``held``."""
-    engine = Engine(model, make_method(method), 32, block=block)
-    calls = []
+def read_with(model, recap: int, method: str = "snapkv", last: dict | None = None, block: int = 16,
+              one_shot: bool | None = False, budget: int = 32, calls: list | None = None):
+    """A read of a document with a question (streamed unless ``one_shot``); ``last`` gets the last read forward's
+    ids and ``held``, ``calls`` every forward's ids."""
+    engine = Engine(model, make_method(method), budget, block=block)
+    calls = [] if calls is None else calls
     original = engine.forward
 
     def forward(cache, ids, **kwargs):
@@ -163,7 +165,7 @@ def read_with(model, recap: int, method: str = "snapkv", last: dict | None = Non
     engine.forward = forward
     prefix, doc, suffix = ids_of(3, 1), ids_of(90, 5), ids_of(6, 2)
     gen = Reader(engine, Tokenizer(), recap=recap).run(PromptParts(prefix, suffix, chat=False), [doc], 2,
-                                                        one_shot=False)
+                                                        one_shot=one_shot)
     return gen, [token for call in calls for token in call], prefix, doc, suffix
 
 
@@ -198,3 +200,21 @@ def test_no_recap_when_off_or_when_the_method_scores_nothing(model):
     assert read[:plain.prompt_tokens] == prefix + doc + suffix
     streaming, *_ = read_with(model, recap=40, method="streamingllm")
     assert streaming.recap_tokens == 0
+
+
+def test_a_prompt_that_fits_one_forward_but_not_the_budget_is_read_whole_then_its_recap(model):
+    calls: list = []
+    gen, read, prefix, doc, suffix = read_with(model, recap=40, one_shot=None, calls=calls)
+    separator = [ord(c) for c in RECAP_SEPARATOR]
+    assert gen.one_shot and 0 < gen.recap_tokens <= 40
+    assert calls[0] == prefix + doc[:-1]  # the document in one forward, the question its probe
+    start = len(prefix) + len(doc) + len(separator)  # then, in blocks, its last token, the recap and the question
+    assert read[len(calls[0]):start] == [doc[-1], *separator]
+    assert read[start + gen.recap_tokens:gen.prompt_tokens] == suffix
+    assert all(token in doc for token in read[start:start + gen.recap_tokens])
+    whole: list = []
+    plain, *_ = read_with(model, recap=0, one_shot=None, calls=whole)  # no recap: one forward, the question in it
+    assert plain.one_shot and plain.recap_tokens == 0 and whole[0] == prefix + doc + suffix
+    roomy: list = []
+    fits, *_ = read_with(model, recap=40, one_shot=None, budget=128, calls=roomy)  # nothing to compress
+    assert fits.one_shot and fits.recap_tokens == 0 and roomy[0] == prefix + doc + suffix

@@ -172,7 +172,7 @@ def test_ratios_give_each_trial_kvpress_budget_and_resume_only_their_own_rows(in
 
     rows = tmp_path / "rows.jsonl"
     common = [str(ruler_book), "--tasks", "niah_single_1", "--lengths", "400", "--methods", "full,snapkv",
-              "--samples", "2", "--block", "64", "-n", "4", *tiny(tiny_model_dir)]
+              "--samples", "2", "--block", "64", "-n", "4", "--recap", "0", *tiny(tiny_model_dir)]  # one forward
     result = invoke("ruler", *common, "--ratios", "0.5,0.75", "--json", "--rows", str(rows))
     assert result.exit_code == 0, result.stderr
     data = json.loads(result.stdout)
