@@ -149,7 +149,7 @@ def ids_of(n: int, seed: int) -> list[int]:
 
 
 def read_with(model, recap: int, method: str = "snapkv", last: dict | None = None, block: int = 16,
-              one_shot: bool | None = False, budget: int = 32, calls: list | None = None):
+              one_shot: bool | None = False, budget: int = 80, calls: list | None = None):
     """A read of a document with a question (streamed unless ``one_shot``); ``last`` gets the last read forward's
     ids and ``held``, ``calls`` every forward's ids."""
     engine = Engine(model, make_method(method), budget, block=block)
@@ -216,5 +216,12 @@ def test_a_prompt_that_fits_one_forward_but_not_the_budget_is_read_whole_then_it
     plain, *_ = read_with(model, recap=0, one_shot=None, calls=whole)  # no recap: one forward, the question in it
     assert plain.one_shot and plain.recap_tokens == 0 and whole[0] == prefix + doc + suffix
     roomy: list = []
-    fits, *_ = read_with(model, recap=40, one_shot=None, budget=128, calls=roomy)  # nothing to compress
+    fits, *_ = read_with(model, recap=40, one_shot=None, budget=160, calls=roomy)  # nothing to compress
     assert fits.one_shot and fits.recap_tokens == 0 and roomy[0] == prefix + doc + suffix
+
+
+def test_a_recap_takes_at_most_half_the_budget(model):
+    capped, *_ = read_with(model, recap=200, budget=40)
+    assert 0 < capped.recap_tokens <= 20
+    none, *_ = read_with(model, recap=200, budget=32)  # half of it holds no passage of 17 tokens
+    assert none.recap_tokens == 0

@@ -33,7 +33,7 @@ from kvcli.errors import KvcliError
 from kvcli.kv.cache import KVCache
 from kvcli.reading.generate import AnswerWriter, Generation
 from kvcli.reading.prompts import PromptParts, Repetition, encode
-from kvcli.reading.recap import Recap, word_joins
+from kvcli.reading.recap import Recap, passage_width, word_joins
 
 #: One forward pass over this many tokens is what auto one-shot prefill allows at most on a CPU (the
 #: explicit CPU attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
@@ -142,13 +142,23 @@ class Reader:
         return (bool(self.recap) and probe and bool(parts.suffix) and engine.compresses()
                 and engine.budget is not None and buffered + len(parts.suffix) > engine.budget)
 
+    def recap_room(self) -> int:
+        """The recap's tokens at most: the reader's ``recap``, and no more than half the budget, since the recap is
+        held with the question within the layer and one the size of the cache would leave the read no room; 0
+        when that is less than one passage."""
+        room = self.recap
+        if self.engine.budget is not None:
+            room = min(room, self.engine.budget // 2)
+        return room if room >= passage_width() else 0
+
     def _stream(self, cache, parts: PromptParts, pending: list[int], rest: Iterator[list[int]],
                 result: Generation, probe: bool, started: float, block: int | None = None) -> torch.Tensor:
         """The prompt in blocks of ``block`` tokens (None: the engine's), compressed after each, with the question
         as the probe of every block (``probe``), then the recap, and the question at the end of the last block."""
         suffix = parts.suffix
         probe_ids = torch.tensor([suffix], dtype=torch.long) if probe and suffix else None
-        recap = Recap(self.recap, first=len(parts.prefix)) if self.recap and probe_ids is not None else None
+        room = self.recap_room()
+        recap = Recap(room, first=len(parts.prefix)) if room and probe_ids is not None else None
         read = self.read_blocks(cache, pending, _chain([[]], rest), result, started, probe=probe_ids, recap=recap,
                                 span=parts.question_span, block=block)
         document = read + len(pending) - len(parts.prefix)
