@@ -66,10 +66,11 @@ ProbeOpt = Annotated[bool, typer.Option("--probe/--no-probe", help="Query-aware 
 StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Extra stop string (repeatable).")]
 EachOpt = Annotated[bool, typer.Option("--each", help="One result per document of a folder, each read with a "
                                        "fresh cache: one JSON line per document on stdout, or to --rows FILE.")]
-RecapOpt = Annotated[int, typer.Option("--recap", help="A document streamed with a question (ask): re-read at "
-                                       "most this many of its tokens that the question pointed at, passage by "
-                                       "passage, before the question (beyond the papers; see docs/reading.md). "
-                                       "0 = off; no effect on one-shot reads or on methods that score nothing.")]
+RecapOpt = Annotated[int, typer.Option("--recap", help="A document read with a question (ask) and compressed: "
+                                       "re-read at most this many of its tokens (and at most half the cache) that "
+                                       "the question pointed at, passage by passage, before the question (beyond "
+                                       "the papers; see docs/reading.md). 0 = off, and a prompt that fits is then "
+                                       "read in one plain forward; no effect on methods that score nothing.")]
 NoFrameOpt = Annotated[bool, typer.Option("--no-frame", help="Ask the question as written, without ask's frame "
                                          "(\"Read the text above carefully, then answer in one short sentence.\") "
                                          "before it: for questions that want more than one sentence. Base models "

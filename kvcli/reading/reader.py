@@ -6,7 +6,11 @@ is the read, :mod:`kvcli.reading.generate` the write (:class:`Reader` runs one a
 * **read**: the prompt is ``prefix + document + suffix`` (see :func:`kvcli.reading.prompts.build_prompt`). A prompt that
   fits the model's context in one affordable forward is prefilled in one shot, so that the end of
   the prompt (the question) is the observation window of the compression, as in SnapKV; kept
-  tokens then stay at their positions if the method's paper keeps them (``Method.keeps_positions``). A longer
+  tokens then stay at their positions if the method's paper keeps them (``Method.keeps_positions``). Where the
+  reader has a recap and the method must compress such a prompt to its budget, the document (all but its last
+  token) is that one forward instead, with the question as its probe, and the recap and the question follow as
+  the last block, as after a streamed document: the recap carries the passages the question found into every
+  layer, where one compression of the whole prompt kept them in some heads only. A longer
   document is streamed in blocks, the cache compressed after each one, and the suffix is passed as a
   *probe* on every block: its queries join the observation window without entering the cache, so
   the method keeps what the question looks at (query-aware compression). The last block carries
