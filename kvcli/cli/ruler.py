@@ -113,7 +113,6 @@ def ruler(
     prefix; its score is the share of expected values the answer writes as whole words or numbers. Prints the
     mean score per task, length and method with a 95% interval, and the average over tasks.
     """
-    from kvcli.io.outputs import check_output
     from kvcli.methods import METHODS
 
     task_list = known(split_list(tasks, str, "--tasks"), TASK_NAMES, "task")
@@ -128,13 +127,7 @@ def ruler(
     check_cache(cache)
     ratio_list = ruler_ratios(ratios, explicit(ctx, "cache"), one_shot)
     per_method = method_options(method_list, option)
-    if resume and rows is None:
-        raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")
-    for flag, path in (("--rows", rows), ("--plot", plot)):
-        if path is not None:  # before the model loads, and apart from the book and the model
-            check_output(path, flag)
-    if export is not None:
-        check_export(export, rows=rows, json_out=json_out)
+    check_ruler_outputs(rows, resume, plot, export, json_out)
     setup.check_outputs({"--rows": rows, "--plot": plot, "--export": export}, source)
     documents = setup.documents(source)
     if export is not None:
@@ -145,6 +138,20 @@ def ruler(
          block=block_size, seed=seed, max_new_tokens=max_new_tokens, one_shot=one_shot, probe=probe,
          options=per_method, bits=bits, recap=recap, frame=not no_frame, saved=saved, json_out=json_out, rows=rows,
          resume=resume, plot=plot)
+
+
+def check_ruler_outputs(rows: Path | None, resume: bool, plot: Path | None, export: Path | None,
+                        json_out: bool) -> None:
+    """``--rows``, ``--resume``, ``--plot`` and ``--export``, checked before the model loads."""
+    from kvcli.io.outputs import check_output
+
+    if resume and rows is None:
+        raise UsageError("--resume needs --rows FILE: the trials written there are taken, the rest are run")
+    for flag, path in (("--rows", rows), ("--plot", plot)):
+        if path is not None:  # apart from the book and the model: setup.check_outputs
+            check_output(path, flag)
+    if export is not None:
+        check_export(export, rows=rows, json_out=json_out)
 
 
 def saved_recall(ctx: typer.Context, read_once: bool, recall: int) -> int | None:

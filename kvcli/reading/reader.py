@@ -37,7 +37,7 @@ from kvcli.errors import KvcliError
 from kvcli.kv.cache import KVCache
 from kvcli.reading.generate import AnswerWriter, Generation
 from kvcli.reading.prompts import PromptParts, Repetition, encode
-from kvcli.reading.recap import Recap, passage_width, word_joins
+from kvcli.reading.recap import Recap, recap_room, word_joins
 
 #: One forward pass over this many tokens is what auto one-shot prefill allows at most on a CPU (the
 #: explicit CPU attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
@@ -92,9 +92,9 @@ class Reader:
     def __init__(self, engine: Engine, tokenizer, *, stop_ids: Iterable[int] = (), stop: Iterable[str] = (),
                  temperature: float = 0.0, seed: int = 0, recap: int = 0, repetition: Repetition = Repetition(),
                  on_progress: Callable[[int, int, float], None] | None = None):
-        """``recap``: a streamed read with a question re-reads at most this many document tokens that the
-        question pointed at before the question (:mod:`kvcli.reading.recap`); 0 = none. ``stop_ids``,
-        ``stop``, ``temperature``, ``seed`` and ``repetition`` are the writer's (:class:`AnswerWriter`)."""
+        """``recap``: a compressed read with a question re-reads at most this many document tokens (and at most
+        half the budget) that the question pointed at before the question (:mod:`kvcli.reading.recap`); 0 = none.
+        ``stop_ids``, ``stop``, ``temperature``, ``seed`` and ``repetition`` are the writer's."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.recap = recap
@@ -106,9 +106,7 @@ class Reader:
     def read(self, cache, parts: PromptParts, document: Iterable[list[int]], result: Generation, *,
              one_shot: bool | None = None, limit: int | None = None, probe: bool = True) -> torch.Tensor:
         """Put ``prefix + document + suffix`` into ``cache``; return the last prompt token's hidden state.
-
-        ``one_shot`` None decides by size: a prompt of at most ``limit`` tokens is one forward.
-        """
+        ``one_shot`` None decides by size: a prompt of at most ``limit`` tokens is one forward."""
         started = time.perf_counter()
         if one_shot is False:
             limit = -1
@@ -116,7 +114,7 @@ class Reader:
             limit = None
         chunks = iter(document)
         buffered, whole = _opening(parts, chunks, limit)
-        if whole and not self._recaps_whole(parts, probe, len(buffered)):
+        if whole and not recaps_whole(self.engine, self.recap, parts, probe, len(buffered)):
             hidden = self._read_whole(cache, parts, buffered, result, started)
         else:
             result.one_shot = whole  # with a recap: the document in one forward, then recap and question
@@ -139,29 +137,12 @@ class Reader:
         self._progress(result.prompt_tokens, cache, started)
         return hidden
 
-    def _recaps_whole(self, parts: PromptParts, probe: bool, buffered: int) -> bool:
-        """Whether a prompt that fits one forward (``buffered`` tokens before the question) is read with a recap:
-        the reader has one, the question probes, and the method must compress the prompt to its budget."""
-        engine = self.engine
-        return (bool(self.recap) and probe and bool(parts.suffix) and engine.compresses()
-                and engine.budget is not None and buffered + len(parts.suffix) > engine.budget)
-
-    def recap_room(self) -> int:
-        """The recap's tokens at most: the reader's ``recap``, and no more than half the budget, since the recap is
-        held with the question within the layer and one the size of the cache would leave the read no room; 0
-        when that is less than one passage."""
-        room = self.recap
-        if self.engine.budget is not None:
-            room = min(room, self.engine.budget // 2)
-        return room if room >= passage_width() else 0
-
     def _stream(self, cache, parts: PromptParts, pending: list[int], rest: Iterator[list[int]],
                 result: Generation, probe: bool, started: float, block: int | None = None) -> torch.Tensor:
         """The prompt in blocks of ``block`` tokens (None: the engine's), compressed after each, with the question
         as the probe of every block (``probe``), then the recap, and the question at the end of the last block."""
-        suffix = parts.suffix
+        suffix, room = parts.suffix, recap_room(self.recap, self.engine.budget)
         probe_ids = torch.tensor([suffix], dtype=torch.long) if probe and suffix else None
-        room = self.recap_room()
         recap = Recap(room, first=len(parts.prefix)) if room and probe_ids is not None else None
         read = self.read_blocks(cache, pending, _chain([[]], rest), result, started, probe=probe_ids, recap=recap,
                                 span=parts.question_span, block=block)
@@ -185,10 +166,9 @@ class Reader:
                     started: float, *, read: int = 0, probe: torch.Tensor | None = None, recap: Recap | None = None,
                     span: tuple[int, int] | None = None, after: Callable[[list[int]], None] | None = None,
                     block: int | None = None) -> int:
-        """Add ``chunks`` to ``pending`` and read every whole block of it but the last (read with the question),
-        ``probe`` scoring each, ``recap`` observing it, ``after`` given its ids once read; the tokens read so far
-        (``read`` before). ``pending`` is left holding the 1 to ``block`` tokens not read yet (None: the engine's
-        block)."""
+        """Add ``chunks`` to ``pending`` and read every whole ``block`` (None: the engine's) of it but the last (read
+        with the question), ``probe`` scoring each, ``recap`` observing it, ``after`` given its ids once read; the
+        tokens read so far (``read`` before). ``pending`` is left holding the 1 to ``block`` tokens not read yet."""
         block = block or self.engine.block
         for chunk in chunks:
             pending.extend(chunk)
@@ -215,9 +195,8 @@ class Reader:
         self._progress(result.prompt_tokens, cache, started)
         return hidden
 
-    def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation,
-                 last_only: bool = False, question: int = 0,
-                 observe: Callable[[KVCache], None] | None = None, held: int = 0,
+    def _forward(self, cache, ids: list[int], probe: torch.Tensor | None, result: Generation, last_only: bool = False,
+                 question: int = 0, observe: Callable[[KVCache], None] | None = None, held: int = 0,
                  span: tuple[int, int] | None = None) -> torch.Tensor:
         """One engine forward; ``last_only``: only the last token's hidden state is used (a read), so a
         nesting method (PyramidInfer) may skip the hidden states of the tokens a layer drops; ``question``:
@@ -225,9 +204,8 @@ class Reader:
         words among the suffix's tokens, which alone vote: :meth:`Engine.forward`)."""
         if not ids:
             raise KvcliError("the prompt is empty")
-        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe,
-                                     last_only=last_only, question=question, observe=observe, held=held,
-                                     span=span)
+        hidden = self.engine.forward(cache, torch.tensor([ids], dtype=torch.long), probe=probe, last_only=last_only,
+                                     question=question, observe=observe, held=held, span=span)
         result.max_cache_tokens = max(result.max_cache_tokens, cache.max_tokens())
         return hidden
 
@@ -256,6 +234,14 @@ class Reader:
             on_read(result)
         self.writer.write(cache, hidden, result, max_new_tokens, on_text)
         return result
+
+
+def recaps_whole(engine: Engine, recap: int, parts: PromptParts, probe: bool, buffered: int) -> bool:
+    """Whether a prompt that fits one forward (``buffered`` tokens before the question) is read with a recap of at
+    most ``recap`` tokens: one fits the budget, the question probes, and the method must compress the prompt."""
+    budget = engine.budget
+    return (budget is not None and recap_room(recap, budget) > 0 and probe and bool(parts.suffix)
+            and engine.compresses() and buffered + len(parts.suffix) > budget)
 
 
 def _chain(first: Iterable[list[int]], rest: Iterator[list[int]]) -> Iterator[list[int]]:

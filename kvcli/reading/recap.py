@@ -76,6 +76,14 @@ def passage_width(radius: int = RADIUS) -> int:
     return 2 * radius + 1
 
 
+def recap_room(recap: int, budget: int | None) -> int:
+    """The recap's tokens at most: ``recap``, and no more than half the ``budget``, since the recap is held with the
+    question within the layer and one the size of the cache would leave the read no room; 0 when that is less
+    than one passage."""
+    room = recap if budget is None else min(recap, budget // 2)
+    return room if room >= passage_width() else 0
+
+
 def scored_layers(num_layers: int) -> range:
     """The middle layers whose question attention scores the recap: from a third to five sixths of the depth."""
     return range(num_layers // 3, 5 * num_layers // 6 + 1)
