@@ -108,6 +108,12 @@ def check_temperature(temperature: float) -> None:
                          f"not {temperature}")
 
 
+def check_recall(tokens: int | None) -> None:
+    """``--recall`` is 0 (off) or a number of tokens (None: the default)."""
+    if tokens is not None and tokens < 0:
+        raise UsageError(f"--recall must be 0 (off) or a number of tokens, not {tokens}")
+
+
 def check_recap(tokens: int) -> None:
     """``--recap`` is 0 (off) or room for at least one passage (a peak and its neighbours)."""
     from kvcli.reading.recap import passage_width
@@ -510,8 +516,7 @@ def ask(
     from kvcli.reading.saved import is_saved_read
 
     questions = collect_questions(question or [], questions_file)
-    if recall is not None and recall < 0:
-        raise UsageError(f"--recall must be 0 (off) or a number of tokens, not {recall}")
+    check_recall(recall)
     if len(questions) > 1 or save is not None or is_saved_read(source):
         if read.each:
             raise UsageError("--each reads every document for one question: ask several questions without it")

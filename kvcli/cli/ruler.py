@@ -24,7 +24,7 @@ from kvcli.cli.options import (
     split_list,
     with_setup,
 )
-from kvcli.cli.reading import NoFrameOpt, OneShotOpt, ProbeOpt, RecapOpt, check_recap
+from kvcli.cli.reading import NoFrameOpt, OneShotOpt, ProbeOpt, RecapOpt, check_recall, check_recap
 from kvcli.errors import UsageError
 from kvcli.reading.recap import RECALL_TOKENS, RECAP_TOKENS
 
@@ -165,8 +165,7 @@ def saved_recall(ctx: typer.Context, read_once: bool, recall: int) -> int | None
              if explicit(ctx, name)]
     if given:
         raise UsageError(f"--read-once reads without the question: {', '.join(given)} do not apply")
-    if recall < 0:
-        raise UsageError(f"--recall must be 0 (off) or a number of tokens, not {recall}")
+    check_recall(recall)
     return recall
 
 

@@ -592,7 +592,7 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
     reads, and the question asked from that read as ``kvcli ask BOOK.kvc`` asks it, with ``saved`` tokens of
     recall (:func:`kvcli.reading.saved.answer`; 0: none); None: the question is known while reading, as ``ask``.
     ``ratios`` instead of ``budget``: each sample is read once per ratio, at the budget kvpress would keep of it
-    (:func:`ratio_budget`), and only in one shot."""
+    (:func:`ratio_budget`), in one forward where it knows its question."""
     from kvcli.engine.engine import Engine, check_budget
     from kvcli.methods import make_method
     from kvcli.reading.prompts import stop_token_ids
