@@ -12,7 +12,9 @@ from kvcli.engine.engine import Engine, budget_for_bytes
 from kvcli.errors import UsageError
 from kvcli.kv.quant import (
     CLIP,
+    ENTRY_BYTES,
     FP16_MAX,
+    POSITION_BYTES,
     KVQuant,
     QuantizedTokens,
     bookkeeping_bytes,
@@ -20,6 +22,7 @@ from kvcli.kv.quant import (
     check_kv_bits,
     check_kv_keys,
     dequantize,
+    kept_bookkeeping,
     pack,
     packed_width,
     quantize,
@@ -253,6 +256,44 @@ def test_channel_keys_stored_before_rope_read_back_at_their_positions(method):
         nll[bits] = engine.score([ids]).nll
     assert abs(nll[8] - nll[16]) < 0.01
     assert abs(nll[2] - nll[16]) < 0.5
+
+
+def test_keys_stored_before_rope_keep_no_entry_position():
+    """A per-channel key is rotated from 0 to where it sits whenever it is read, so its layer keeps no entry
+    position (4 bytes a token and KV head fewer, which ``--cache-bytes`` counts); keys rounded per token keep it."""
+    model = tiny()
+    ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(6))
+    for keys, kept in (("channel", False), ("token", True)):
+        engine = Engine(model, make_method("snapkv", {}), 96, block=32, kv_bits=2, kv_keys=keys,
+                        warn=lambda message: None)
+        cache = engine.new_cache()
+        for start in range(0, ids.shape[1], 32):
+            engine.forward(cache, ids[:, start:start + 32])
+        for layer in cache.layers:
+            assert layer.pre_rope is not kept and (layer.entry_pos is not None) is kept
+            assert layer.token_idx.shape == (2, layer.get_seq_length())
+    assert kept_bookkeeping(POSITION_BYTES, "channel") == POSITION_BYTES - ENTRY_BYTES
+    assert kept_bookkeeping(POSITION_BYTES, "token") == POSITION_BYTES
+
+
+def test_channel_keys_read_back_at_kept_positions():
+    """A one-shot read keeps positions (a token's position is its index in the stream): an 8-bit per-channel key,
+    stored without its entry position, is read back there after evictions (the sinks 0-3, not next to the recent
+    window), as the 16-bit cache's key is."""
+    model = tiny(torch.float32)
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(7))
+    keys = {}
+    for bits in (16, 8):
+        engine = Engine(model, make_method("streamingllm", {}), 64, block=256, kv_bits=bits,
+                        kv_keys="channel" if bits == 8 else None, warn=lambda message: None)
+        cache = engine.new_cache()
+        cache.keep_positions = True  # as a one-shot read sets it
+        engine.forward(cache, ids, last_only=True)
+        layer = cache.layers[1]
+        assert layer.get_seq_length() == 64 and layer.pre_rope is (bits == 8)
+        keys[bits] = layer.current_keys(cache.next_position())
+    error = (keys[8] - keys[16]).abs().mean(-1) / keys[16].abs().mean(-1)  # per token; rotated elsewhere: ~1
+    assert error.max() < 0.2
 
 
 def tiny(dtype=torch.bfloat16):

@@ -85,7 +85,9 @@ class CompressedLayer(LayerStorage):
 
     def __init__(self, owner: KVCache, layer_idx: int):
         super().__init__(owner, layer_idx)
-        self.entry_pos: torch.Tensor | None = None  # [H, T] position each key was rotated at
+        #: [H, T] position each key was rotated at; None where keys are stored before RoPE (:attr:`pre_rope`): such
+        #: a key is rotated from 0 to where it sits whenever it is read, so where it entered is never needed.
+        self.entry_pos: torch.Tensor | None = None
         self.token_idx: torch.Tensor | None = None  # [H, T] index of the token in the stream
         self.state: dict[str, torch.Tensor] = {}  # method-owned per-token tensors [H, T]
         self.method_state: dict[str, object] = {}  # method-owned values of the whole layer
@@ -96,7 +98,7 @@ class CompressedLayer(LayerStorage):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         heads = key_states.shape[1]
-        self.entry_pos = torch.empty((heads, 0), dtype=POSITION_DTYPE, device=self.device)
+        self.entry_pos = None if self.pre_rope else torch.empty((heads, 0), dtype=POSITION_DTYPE, device=self.device)
         self.token_idx = torch.empty((heads, 0), dtype=POSITION_DTYPE, device=self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -111,7 +113,8 @@ class CompressedLayer(LayerStorage):
         positions, tokens = owner.new_entries(key_states.shape[1], key_states.shape[-2], self.device)
         self.append(rotate_keys(key_states, -positions, self.inv_freq) if self.pre_rope else key_states,
                     value_states, keys if cached is self.keys else None, values)
-        self.entry_pos = torch.cat((self.entry_pos, positions), dim=-1)
+        if self.entry_pos is not None:
+            self.entry_pos = torch.cat((self.entry_pos, positions), dim=-1)
         self.token_idx = torch.cat((self.token_idx, tokens), dim=-1)
         return keys, values
 
@@ -142,9 +145,9 @@ class CompressedLayer(LayerStorage):
     def current_keys(self, block_start: int) -> torch.Tensor:
         """Cached keys rotated to their current positions (a no-op until an eviction moves them)."""
         keys = stored(self.keys)  # dequantized when the cache is quantized
-        if self.pre_rope:
-            moved = self.needs_rotation(block_start)
-            return rotate_keys(keys, self.current_positions(block_start) if moved else self.entry_pos, self.inv_freq)
+        if self.pre_rope:  # where a key sits now: its stream index where positions are kept, else re-assigned
+            at = self.token_idx if self.owner.keep_positions else self.current_positions(block_start)
+            return rotate_keys(keys, at, self.inv_freq)
         if not self.needs_rotation(block_start):
             return keys  # every key still sits where it entered
         joined = self.owner.rotation.keys(self, block_start)  # rotated with other layers' (KVCache.plan_rotation)
@@ -192,17 +195,19 @@ class CompressedLayer(LayerStorage):
         """Bytes of what is kept beside the keys and values: each token's entry position, stream index and
         per-token method state (what :func:`kvcli.kv.quant.cache_bytes` counts as ``extra``), and any tensor the
         method keeps for the whole layer."""
-        if self.entry_pos is None:
+        if self.token_idx is None:
             return 0
         layer = [value for value in self.method_state.values() if isinstance(value, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in (self.entry_pos, self.token_idx, *self.state.values(), *layer))
+        positions = (self.token_idx,) if self.entry_pos is None else (self.entry_pos, self.token_idx)
+        return sum(t.numel() * t.element_size() for t in (*positions, *self.state.values(), *layer))
 
     def keep(self, indices: torch.Tensor) -> None:
         """Keep, per KV head, the tokens at ``indices`` ``[H, k]`` (ascending), dropping the rest.
 
         :meth:`KVCache.keep_layers` does the same for many layers at once."""
         self.gather(indices)
-        self.entry_pos = self.entry_pos.gather(1, indices)
+        if self.entry_pos is not None:
+            self.entry_pos = self.entry_pos.gather(1, indices)
         self.token_idx = self.token_idx.gather(1, indices)
         self.state = {name: value.gather(1, indices) for name, value in self.state.items()}
         self.moved = True

@@ -464,15 +464,17 @@ def layer_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | 
     sealed = tokens - front - residual
     mode = quant.key_mode
     per_head = (sealed * (quant.token_bytes(head_dim, mode) + quant.token_bytes(head_dim)) + (front + residual) * full
-                + tokens * extra)
+                + tokens * kept_bookkeeping(extra, mode))
     if sealed:
         per_head += quant.head_bytes(head_dim, mode)
     return kv_heads * per_head
 
 
+#: Bytes of a cached token's entry position, per layer and KV head (int32, kvcli.kv.cache.POSITION_DTYPE).
+ENTRY_BYTES = 4
 #: Bytes of bookkeeping every cached token costs per layer and KV head: its entry position and stream index (int32,
 #: kvcli.kv.cache.POSITION_DTYPE).
-POSITION_BYTES = 2 * 4
+POSITION_BYTES = ENTRY_BYTES + 4
 #: Bytes of one per-token state value a method keeps (an accumulated score, float32).
 STATE_BYTES = 4
 
@@ -481,6 +483,13 @@ def bookkeeping_bytes(states: int = 0) -> int:
     """Bytes one cached token costs per layer and KV head besides its key and value: positions and ``states``
     per-token values of the method (:attr:`kvcli.methods.base.ScoredMethod.state_names`)."""
     return POSITION_BYTES + STATE_BYTES * states
+
+
+def kept_bookkeeping(extra: int, key_mode: str) -> int:
+    """``extra`` bytes of bookkeeping a token (:func:`bookkeeping_bytes`, positions included) as a layer whose keys
+    are rounded the ``key_mode`` way keeps it: keys stored before RoPE (per channel) keep no entry position, since
+    they are rotated from 0 wherever they sit (:attr:`kvcli.kv.cache.CompressedLayer.entry_pos`)."""
+    return extra - ENTRY_BYTES if key_mode == "channel" and extra >= POSITION_BYTES else extra
 
 
 @dataclass(frozen=True)
@@ -503,7 +512,9 @@ def token_costs(config, bits: int, dtype: torch.dtype, keys: str | None = None, 
     if bits == 16:
         return TokenCosts(full, full, full, extra)
     quant = KVQuant(bits, keys=keys)
-    return TokenCosts(quant.token_bytes(head_dim, quant.key_mode), quant.token_bytes(head_dim), full, extra)
+    mode = quant.key_mode
+    key, value = quant.token_bytes(head_dim, mode), quant.token_bytes(head_dim)
+    return TokenCosts(key, value, full, kept_bookkeeping(extra, mode))
 
 
 def tokens_for_bytes(config, nbytes: int, bits: int, dtype: torch.dtype, keys: str | None = None,

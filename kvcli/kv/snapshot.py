@@ -162,12 +162,16 @@ def _int(value) -> int:
 
 def _check_layer(layer, index: int) -> None:
     """Raise if a restored layer's tensors do not fit together: keys and values ``[1, H, T, D]`` with the ``T``
-    of the ``[H, T]`` bookkeeping and of every per-token state."""
+    of the ``[H, T]`` bookkeeping and of every per-token state; entry positions only where keys are stored after
+    RoPE (a layer whose keys are stored before it keeps none)."""
     if not layer.is_initialized:
         return
     length = layer.values.shape[2]
     if len(layer.values.shape) != 4 or len(layer.keys.shape) != 4 or layer.keys.shape[2] != length:
         raise SnapshotError(f"layer {index}: keys and values do not fit together")
-    for what, value in [("entry_pos", layer.entry_pos), ("token_idx", layer.token_idx), *layer.state.items()]:
+    positions = [("token_idx", layer.token_idx)]
+    if not (layer.pre_rope and layer.entry_pos is None):
+        positions.append(("entry_pos", layer.entry_pos))
+    for what, value in [*positions, *layer.state.items()]:
         if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] != length:
             raise SnapshotError(f"layer {index}: {what} does not fit the keys")
