@@ -35,7 +35,8 @@ def fresh_answer(invoke, book, model_dir, question: str, method: str, *extra: st
     return json.loads(result.stdout)["answer"]
 
 
-@pytest.mark.parametrize(("method", "extra"), [("treekv", ()), ("snapkv", ()), ("streamingllm", ("--kv-bits", "4"))])
+@pytest.mark.parametrize(("method", "extra"), [("treekv", ()), ("snapkv", ()), ("streamingllm", ("--kv-bits", "4")),
+                                               ("treekv", ("--kv-bits", "2"))])  # 2 bits: keys without entry positions
 def test_saved_read_answers_as_a_fresh_ask_without_probe(invoke, tiny_model_dir, book, tmp_path, method, extra):
     from kvcli.reading.saved import ReadState
 
