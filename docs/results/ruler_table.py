@@ -9,6 +9,7 @@ cell is the mean score in percent; the average row adds the 95% Wilson interval 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import defaultdict
@@ -18,12 +19,19 @@ from kvcli.eval.needle import wilson_interval
 
 
 def load(path: str) -> list[dict]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    try:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as error:
+        sys.exit(f"ruler_table: {path}: not a file of JSON rows ({error})")
     return [row for row in rows if "task" in row and "score" in row]
 
 
 def main() -> None:
-    rows = [row for path in sys.argv[1:] for row in load(path)]
+    parser = argparse.ArgumentParser(description="RULER rows of kvcli and kvpress as one markdown table.")
+    parser.add_argument("rows", nargs="+", help="files of `kvcli ruler --rows` or `kvpress_ruler.py --out` rows")
+    rows = [row for path in parser.parse_args().rows for row in load(path)]
+    if not rows:
+        sys.exit("ruler_table: no trial rows in these files")
     cells: dict[str, dict[tuple, float]] = defaultdict(dict)
     for row in rows:
         budget = row["ratio"] if row.get("ratio") is not None else f"cache {row['cache']}"  # streamed rows: a cache
