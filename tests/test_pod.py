@@ -581,9 +581,11 @@ def test_calibrate_and_adapt_commands_on_the_tiny_model(invoke, tmp_path, tiny_m
 
 @pytest.mark.parametrize("select", ["snapkv", "h2o"])
 def test_cache_bytes_never_buy_pod_more_than_asked_at_any_bit_width(select):
-    """PoD with a selection keeps more tokens in the same bytes; its proximal keys at full precision, its values and
-    every token's positions (and the selection's scores) are paid for, so ``--cache-bytes`` is never exceeded, and
-    ``nbytes`` is every byte of every tensor the cache holds."""
+    """PoD with a selection keeps more tokens in the same bytes than the selection with keys rounded as PoD rounds
+    them, per token (at 2 bits the selection alone rounds keys per channel, keeps no entry positions and so holds
+    more); its proximal keys at full precision, its values and every token's positions (and the selection's scores)
+    are paid for, so ``--cache-bytes`` is never exceeded, and ``nbytes`` is every byte of every tensor the cache
+    holds."""
     from kvcli.engine.engine import budget_for_bytes
     from kvcli.kv.snapshot import snapshot_cache
 
@@ -593,7 +595,7 @@ def test_cache_bytes_never_buy_pod_more_than_asked_at_any_bit_width(select):
     for bits in (16, 8, 4, 2):
         pod = make_method("pod", {"groups": groups_for(model), "sinks": 4, "recent": 8, "select": select})
         budget = budget_for_bytes(pod, model, nbytes, torch.float32, bits)
-        assert budget > budget_for_bytes(make_method(select), model, nbytes, torch.float32, bits)
+        assert budget > budget_for_bytes(make_method(select), model, nbytes, torch.float32, bits, "token")
         engine = Engine(model, pod, budget, block=32, kv_bits=bits, warn=lambda message: None)
         cache = engine.new_cache()
         for start in range(0, ids.shape[1], 32):

@@ -192,13 +192,15 @@ def test_ratios_give_each_trial_kvpress_budget_and_resume_only_their_own_rows(in
                      ("average", 0.75, "full"), ("average", 0.75, "snapkv")]
     assert [json.loads(line)["ratio"] for line in rows.read_text().splitlines()] == [0.5, 0.5, 0.75, 0.75] * 2
     # a resume takes each ratio's own rows: a new ratio is run, never read from another ratio's rows
-    again = invoke("ruler", *common, "--ratios", "0.75,0.875", "--json", "--rows", str(rows), "--resume")
+    loud = [arg for arg in common if arg != "--quiet"]  # the note on what was taken goes to stderr
+    again = invoke("ruler", *loud, "--ratios", "0.75,0.875", "--json", "--rows", str(rows), "--resume")
     assert again.exit_code == 0, again.stderr
     trials = json.loads(again.stdout)["trials"]
     assert [t for t in trials if t["ratio"] == 0.75] == [t for t in data["trials"] if t["ratio"] == 0.75]
     assert all(t["cache"] < min(d["cache"] for d in data["trials"] if d["ratio"] == 0.75)
                for t in trials if t["ratio"] == 0.875)
     assert len(rows.read_text().splitlines()) == 8 + 4
+    assert "took 4 of 8 trials" in again.stderr  # 0.75's rows only: the file's 0.5 rows are not this grid's
     # nor are they a fixed --cache run's rows
     cached = invoke("ruler", *common, "--cache", "64", "--rows", str(rows), "--resume")
     assert cached.exit_code == 1 and "its cache is None, this run's 64" in cached.stderr

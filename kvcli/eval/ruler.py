@@ -561,14 +561,16 @@ class RulerLog:
         self.params: dict[str, dict] = {}
         self.written = 0
 
-    def open(self, run: dict, params: dict[str, dict], total: int) -> dict[tuple, Trial]:
+    def open(self, run: dict, params: dict[str, dict], wanted: set[tuple]) -> dict[tuple, Trial]:
+        """The trials of this run already in the file, by (task, length, index, method, ratio); the note counts
+        those of ``wanted``, the grid's keys (the file may hold other methods', tasks' or samples' rows)."""
         self.run, self.params = as_json({**self.about, **run}), as_json(params)
         done: dict[tuple, Trial] = {}
         for trial in resumed_trials(self.log, self.resume, "task", self.run, Trial, "ruler trial",
                                     method_params_check(params)):
             done[(trial.task, trial.length, trial.index, trial.method, trial.ratio)] = trial
         if self.resume and self.note:
-            self.note(f"took {len(done)} of {total} trials from {self.log.path}")
+            self.note(f"took {len(wanted & done.keys())} of {len(wanted)} trials from {self.log.path}")
         return done
 
     def add(self, trial: Trial) -> None:
@@ -617,7 +619,7 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
                                    "kv_bits": kv_bits, "recap": recap, "frame": question_frame(tokenizer, frame),
                                    "saved": saved, "params": {name: m.settings() for name, m in built.items()}})
     levels: list[float | None] = list(ratios) if ratios else [None]
-    total = len(tasks) * len(lengths) * samples * len(levels) * len(methods)
+    wanted = grid_keys(tasks, lengths, samples, methods, levels)
     previous: dict[tuple, Trial] = {}
     if log is not None:
         # A row's ratio is in its key, not in the run: a resume may add ratios, as it may add tasks or samples.
@@ -626,7 +628,7 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
         run = {key: value for key, value in result.settings.items()
                if key not in ("params", "samples", "ratios") and not (key == "saved" and value is None)}
         run.update(dtype=str(next(model.parameters()).dtype), book_sha256=book_digest)
-        previous = log.open(run, result.settings["params"], total)
+        previous = log.open(run, result.settings["params"], wanted)
     reading = Reading(model, tokenizer, built, block, kv_bits, recap, one_shot, probe, warn,
                       stop_token_ids(tokenizer, model), saved)
     for length in lengths:
@@ -654,8 +656,15 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
                             read_once.setdefault(method, trial)
                         result.trials.append(trial)
                         if on_trial:
-                            on_trial(trial, len(result.trials), total)
+                            on_trial(trial, len(result.trials), len(wanted))
     return result
+
+
+def grid_keys(tasks: list[str], lengths: list[int], samples: int, methods: list[str],
+              levels: list[float | None]) -> set[tuple]:
+    """Every trial of a run by its row key (task, length, index, method, ratio)."""
+    return {(name, length, index, method, ratio) for name in tasks for length in lengths
+            for index in range(samples) for method in methods for ratio in levels}
 
 
 def check_resumed(trial: Trial, sample: Sample, cache: int) -> None:
