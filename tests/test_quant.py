@@ -276,6 +276,28 @@ def test_keys_stored_before_rope_keep_no_entry_position():
     assert kept_bookkeeping(POSITION_BYTES, "token") == POSITION_BYTES
 
 
+def test_a_snapshot_without_entry_positions_restores_only_where_keys_precede_rope():
+    """A saved 2-bit layer has no entry positions and restores; a 16-bit layer's file that lacks them (crafted or
+    damaged) is refused rather than read with keys it cannot place."""
+    from kvcli.kv.snapshot import SnapshotError, restore_cache, snapshot_cache
+
+    model = tiny()
+    ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(8))
+    for bits in (2, 16):
+        engine = Engine(model, make_method("snapkv", {}), 48, block=32, kv_bits=bits, warn=lambda message: None)
+        cache = engine.new_cache()
+        for start in range(0, ids.shape[1], 32):
+            engine.forward(cache, ids[:, start:start + 32])
+        tensors, facts = snapshot_cache(cache)
+        if bits == 2:
+            assert all(layer["entry_pos"] == {"value": None} for layer in facts["layers"])
+            restore_cache(engine.new_cache(), tensors, facts, torch.device("cpu"))
+        else:
+            facts["layers"][0]["entry_pos"] = {"value": None}
+            with pytest.raises(SnapshotError, match="entry_pos does not fit the keys"):
+                restore_cache(engine.new_cache(), tensors, facts, torch.device("cpu"))
+
+
 def test_channel_keys_read_back_at_kept_positions():
     """A one-shot read keeps positions (a token's position is its index in the stream): an 8-bit per-channel key,
     stored without its entry position, is read back there after evictions (the sinks 0-3, not next to the recent
