@@ -91,10 +91,18 @@ def test_the_command_prints_one_score_per_cell_and_resumes(invoke, tiny_model_di
     assert all(row["samples"] == (4 if row["task"] == "average" else 2) for row in data["scores"])
     assert all(row["ci95"][0] <= row["score"] <= row["ci95"][1] for row in data["scores"])
     assert len(data["trials"]) == 8 and all(t["one_shot"] for t in data["trials"])
+    assert all(t["peak_memory_bytes"] > 0 for t in data["trials"])  # each trial's own peak, model included
     assert len(rows.read_text().splitlines()) == 8
     again = invoke("ruler", *common, "--json", "--rows", str(rows), "--resume")
     assert again.exit_code == 0 and json.loads(again.stdout)["trials"] == data["trials"]
     assert all("params" in json.loads(line) for line in rows.read_text().splitlines())
+    older = tmp_path / "older.jsonl"  # rows written before trials recorded their peak memory still resume
+    older.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "peak_memory_bytes"}) + "\n"
+                             for line in rows.read_text().splitlines()))
+    resumed = invoke("ruler", *common, "--json", "--rows", str(older), "--resume")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert [t["answer"] for t in json.loads(resumed.stdout)["trials"]] == [t["answer"] for t in data["trials"]]
+    assert len(older.read_text().splitlines()) == 8  # nothing read again
     other = invoke("ruler", *common, "-o", "snapkv.window=4", "--rows", str(rows), "--resume")
     assert other.exit_code != 0 and "is a trial of another run (its params" in other.stderr
     text = invoke("ruler", *common)

@@ -457,6 +457,9 @@ class Trial:
     seconds: float
     ratio: float | None = None  # kvpress's compression_ratio that sized the budget (None: a fixed --cache)
     cache: int | None = None  # the budget the trial was given, tokens per layer
+    #: The trial's peak memory (kvcli.io.report.peak_memory_bytes: the process's peak RSS on a CPU, model included);
+    #: None in rows written before it was recorded.
+    peak_memory_bytes: int | None = None
 
 
 @dataclass
@@ -697,11 +700,13 @@ class Reading:
               answer_tokens: int) -> Trial:
         """One trial: ``sample`` read by ``method`` at a budget of ``cache`` tokens per layer, then graded."""
         from kvcli.engine.engine import Engine
+        from kvcli.io.report import peak_memory_bytes, reset_peak_memory
         from kvcli.reading.prompts import ANSWER_REPETITION
         from kvcli.reading.reader import Reader
 
         engine = Engine(self.model, self.built[method], cache, block=self.block, warn=self.warn, kv_bits=self.kv_bits)
         reader = Reader(engine, self.tokenizer, stop_ids=self.stop_ids, recap=self.recap, repetition=ANSWER_REPETITION)
+        reset_peak_memory(engine.device)
         started = time.perf_counter()
         if self.saved is None:
             gen = reader.run(parts, [sample.doc], answer_tokens, one_shot=self.one_shot, probe=self.probe)
@@ -713,4 +718,4 @@ class Reading:
         answer = gen.text.strip()
         return Trial(sample.task, sample.length, sample.index, method, sample.outputs, answer,
                      recall(answer, sample.outputs), gen.prompt_tokens, gen.one_shot, gen.max_cache_tokens,
-                     time.perf_counter() - started, ratio, cache)
+                     time.perf_counter() - started, ratio, cache, peak_memory_bytes(engine.device))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 from kvcli.errors import KvcliError
 from kvcli.io.report import dumps
@@ -70,7 +70,13 @@ def resumed_trials(log, resume: bool, required: str, run: dict, record: type, na
             raise KvcliError(f"{where} is a trial of another run ({differs}): choose another {log.flag} file, "
                              "or run without --resume to start over")
         try:
-            yield record(**{f.name: row[f.name] for f in fields(record)})
+            # A field with a default may be missing: rows written before it existed still resume.
+            yield record(**{f.name: row[f.name] for f in fields(record) if f.name in row or not has_default(f)})
         except (KeyError, TypeError):
             raise KvcliError(f"{where} is not a {name} of kvcli: remove it, or choose another {log.flag} "
                              "file") from None
+
+
+def has_default(spec) -> bool:
+    """Whether a dataclass field can be left out of the constructor."""
+    return spec.default is not MISSING or spec.default_factory is not MISSING
