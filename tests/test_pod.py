@@ -430,7 +430,7 @@ def test_pod_selection_shares_the_leads_choice_and_holds_fewer_bytes(select):
 def test_equal_bytes_budget_keeps_more_tokens_in_no_more_bytes():
     model = tiny()
     groups = groups_for(model)
-    budget = groups.equal_bytes_budget(48, 4, 8, token_costs(model.config, 16, torch.float32, extra=POSITION_BYTES))
+    budget = groups.equal_bytes_budget(48, 4, 8, token_costs(model.config, 16, torch.float32))
     assert budget > 48
     ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(10))
     _, cache = run_budget(model, make_method("pod", {"groups": groups, "sinks": 4, "recent": 8,
@@ -449,7 +449,7 @@ def test_budget_for_bytes_gives_pod_selection_more_tokens_in_the_same_bytes():
     pod = make_method("pod", {"groups": groups, "sinks": 4, "recent": 8, "select": "snapkv"})
     assert pod.layer_groups(model.config).groups == groups.groups  # no stored similarity: the file's own groups
     assert budget_for_bytes(make_method("snapkv"), model, nbytes, torch.float32) == 48
-    costs = token_costs(model.config, 16, torch.float32, extra=POSITION_BYTES)
+    costs = token_costs(model.config, 16, torch.float32)
     assert budget_for_bytes(pod, model, nbytes, torch.float32) == groups.equal_bytes_budget(48, 4, 8, costs)
     assert budget_for_bytes(make_method("pod", {"groups": groups}), model, nbytes, torch.float32) == 48
     with pytest.raises(UsageError, match="cannot hold one token"):

@@ -15,6 +15,7 @@ from kvcli.kv.quant import (
     ENTRY_BYTES,
     FP16_MAX,
     POSITION_BYTES,
+    STATE_BYTES,
     KVQuant,
     QuantizedTokens,
     bookkeeping_bytes,
@@ -22,7 +23,6 @@ from kvcli.kv.quant import (
     check_kv_bits,
     check_kv_keys,
     dequantize,
-    kept_bookkeeping,
     pack,
     packed_width,
     quantize,
@@ -235,7 +235,7 @@ def test_channel_key_cache_bytes_match_the_store():
     for bits in (8, 4, 2):
         engine = Engine(model, make_method("streamingllm", {}), 96, block=32, kv_bits=bits, kv_keys="channel")
         totals = engine.score([ids])
-        expected = cache_bytes(model.config, 96, bits, torch.bfloat16, "channel", bookkeeping_bytes())
+        expected = cache_bytes(model.config, 96, bits, torch.bfloat16, "channel")
         assert totals.kv_cache_bytes == expected
     assert KVQuant(2).key_mode == "channel" and KVQuant(4).key_mode == "token"
     assert check_kv_keys("auto") is None and check_kv_keys("channel") == "channel"
@@ -272,8 +272,8 @@ def test_keys_stored_before_rope_keep_no_entry_position():
         for layer in cache.layers:
             assert layer.pre_rope is not kept and (layer.entry_pos is not None) is kept
             assert layer.token_idx.shape == (2, layer.get_seq_length())
-    assert kept_bookkeeping(POSITION_BYTES, "channel") == POSITION_BYTES - ENTRY_BYTES
-    assert kept_bookkeeping(POSITION_BYTES, "token") == POSITION_BYTES
+    assert bookkeeping_bytes(0, "channel") == POSITION_BYTES - ENTRY_BYTES
+    assert bookkeeping_bytes(2, "token") == POSITION_BYTES + 2 * STATE_BYTES
 
 
 def test_a_snapshot_without_entry_positions_restores_only_where_keys_precede_rope():
@@ -345,22 +345,22 @@ def test_a_quantized_cache_costs_what_cache_bytes_predicts():
     for bits in (16, 8, 4, 2):
         engine = Engine(model, make_method("treekv", {}), 96, block=32, kv_bits=bits)
         totals = engine.score([ids])
-        extra = bookkeeping_bytes(engine.method.token_states)  # positions, and TreeKV's score and count
-        assert totals.kv_cache_bytes == cache_bytes(model.config, 96, bits, torch.bfloat16, extra=extra)
+        states = engine.method.token_states  # TreeKV's score and count, besides the positions
+        assert totals.kv_cache_bytes == cache_bytes(model.config, 96, bits, torch.bfloat16, states=states)
 
 
 def test_cache_bytes_buys_more_tokens_at_fewer_bits():
     model = tiny()
     method = make_method("treekv", {})
-    extra = bookkeeping_bytes(method.token_states)
-    nbytes = cache_bytes(model.config, 512, 16, torch.bfloat16, extra=extra)
+    states = method.token_states
+    nbytes = cache_bytes(model.config, 512, 16, torch.bfloat16, states=states)
     budgets = {bits: budget_for_bytes(method, model, nbytes, torch.bfloat16, bits) for bits in (16, 8, 4, 2)}
     assert budgets[16] == 512
     # Head dim 32: 128 bytes a token and head at 16 bits, 24 of bookkeeping (positions, TreeKV's two scores).
     assert budgets[4] >= 2 * budgets[16] and budgets[2] > budgets[4] > budgets[8] > budgets[16]
     for bits, budget in budgets.items():
-        assert cache_bytes(model.config, budget, bits, torch.bfloat16, extra=extra) <= nbytes
-        assert cache_bytes(model.config, budget + 1, bits, torch.bfloat16, extra=extra) > nbytes
+        assert cache_bytes(model.config, budget, bits, torch.bfloat16, states=states) <= nbytes
+        assert cache_bytes(model.config, budget + 1, bits, torch.bfloat16, states=states) > nbytes
     assert tokens_for_bytes(model.config, 10, 4, torch.bfloat16) == 0
 
 
@@ -505,9 +505,9 @@ def test_cache_bytes_pay_for_window_layers_first(method):
         for start in range(0, ids.shape[1], 16):
             engine.forward(cache, ids[:, start:start + 16])
         assert cache.lengths()[:2] == [WINDOW - 1, WINDOW - 1] and sum(cache.lengths()[2:]) == budget
-        extra = bookkeeping_bytes(made.token_states)
-        assert cache.nbytes() <= cache_bytes(model.config, budget, bits, torch.float32, extra=extra, windows=windows)
-        assert cache.nbytes() <= nbytes < cache_bytes(model.config, budget + 1, bits, torch.float32, extra=extra,
+        states = made.token_states
+        assert cache.nbytes() <= cache_bytes(model.config, budget, bits, torch.float32, states=states, windows=windows)
+        assert cache.nbytes() <= nbytes < cache_bytes(model.config, budget + 1, bits, torch.float32, states=states,
                                                       windows=windows), (method, bits)
 
 

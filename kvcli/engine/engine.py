@@ -94,21 +94,21 @@ def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype:
     A layer with an attention window (Gemma 3's sliding layers) holds its window whatever the budget: its bytes are
     paid first, and the budget is what the other layers may keep in the rest.
     """
-    from kvcli.kv.quant import bookkeeping_bytes, cache_bytes, token_costs, tokens_for_bytes
+    from kvcli.kv.quant import cache_bytes, token_costs, tokens_for_bytes
 
     per_token = kv_bytes_per_token(model, dtype)
-    extra = bookkeeping_bytes(method.token_states)
+    states = method.token_states
     keys = key_mode(method, kv_bits, kv_keys)
     windows = describe(model).windows
-    fixed = cache_bytes(model.config, 0, kv_bits, dtype, keys, extra, windows)  # the window layers' own tokens
+    fixed = cache_bytes(model.config, 0, kv_bits, dtype, keys, states, windows)  # the window layers' own tokens
     if all(window is not None for window in windows):
         raise UsageError("--cache-bytes governs no layer of this model: every layer keeps its attention window "
                          f"({fixed:,} bytes); leave the budget out")
-    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype, keys, extra, windows)
+    plain = tokens_for_bytes(model.config, nbytes, kv_bits, dtype, keys, states, windows)
     if plain < 1:
         held = f" beside the {fixed:,} bytes its attention-window layers hold" if fixed else ""
         raise UsageError(f"{nbytes:,} bytes cannot hold one token per layer ({per_token:,} bytes per token){held}")
-    return method.equal_bytes_budget(plain, model.config, token_costs(model.config, kv_bits, dtype, keys, extra))
+    return method.equal_bytes_budget(plain, model.config, token_costs(model.config, kv_bits, dtype, keys, states))
 
 
 class Engine(BlockScorer):

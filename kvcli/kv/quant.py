@@ -433,21 +433,21 @@ def gather_tokens(x: torch.Tensor | QuantizedTokens, indices: torch.Tensor) -> t
     return x.gather(2, wide_index(indices, x.shape[-1]))
 
 
-def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | None = None, extra: int = 0,
+def cache_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | None = None, states: int = 0,
                 windows: Sequence[int | None] | None = None) -> int:
     """Bytes a plain (non-PoD) cache of ``tokens`` per budgeted layer costs on a model with ``config`` at ``bits``,
-    keys rounded the ``keys`` way (None: :data:`DEFAULT_KEYS`), each token of each layer and KV head costing ``extra``
-    bytes of bookkeeping besides (:func:`bookkeeping_bytes`).
+    keys rounded the ``keys`` way (None: :data:`DEFAULT_KEYS`), each token of each layer and KV head paying its
+    bookkeeping besides, with ``states`` per-token values of the method (:func:`bookkeeping_bytes`).
 
     ``windows`` gives each layer's attention window (None: every layer full): a layer with a window W keeps its
     W - 1 tokens whatever the budget, with their positions and no method state (:class:`kvcli.kv.cache.WindowLayer`).
     """
     layers = windows if windows is not None else [None] * config.num_hidden_layers
-    return sum(layer_bytes(config, tokens, bits, dtype, keys, extra) if window is None
-               else layer_bytes(config, window - 1, bits, dtype, keys, POSITION_BYTES) for window in layers)
+    return sum(layer_bytes(config, tokens, bits, dtype, keys, states) if window is None
+               else layer_bytes(config, window - 1, bits, dtype, keys) for window in layers)
 
 
-def layer_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | None = None, extra: int = 0) -> int:
+def layer_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | None = None, states: int = 0) -> int:
     """Bytes one layer of ``tokens`` costs (every KV head; :func:`cache_bytes`).
 
     16 bits: keys and values in ``dtype``. Fewer: the front and the residual at full precision, every other
@@ -457,14 +457,14 @@ def layer_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | 
     element = torch.tensor([], dtype=dtype).element_size()
     full = 2 * head_dim * element
     if bits == 16:
-        return kv_heads * tokens * (full + extra)
+        return kv_heads * tokens * (full + bookkeeping_bytes(states))
     quant = KVQuant(bits, keys=keys)
     front = min(tokens, quant.front)
     residual = min(tokens - front, quant.residual)
     sealed = tokens - front - residual
     mode = quant.key_mode
     per_head = (sealed * (quant.token_bytes(head_dim, mode) + quant.token_bytes(head_dim)) + (front + residual) * full
-                + tokens * kept_bookkeeping(extra, mode))
+                + tokens * bookkeeping_bytes(states, mode))
     if sealed:
         per_head += quant.head_bytes(head_dim, mode)
     return kv_heads * per_head
@@ -472,24 +472,22 @@ def layer_bytes(config, tokens: int, bits: int, dtype: torch.dtype, keys: str | 
 
 #: Bytes of a cached token's entry position, per layer and KV head (int32, kvcli.kv.cache.POSITION_DTYPE).
 ENTRY_BYTES = 4
-#: Bytes of bookkeeping every cached token costs per layer and KV head: its entry position and stream index (int32,
-#: kvcli.kv.cache.POSITION_DTYPE).
-POSITION_BYTES = ENTRY_BYTES + 4
+#: Bytes of a cached token's stream index, per layer and KV head (int32).
+INDEX_BYTES = 4
+#: Bytes of positions a cached token costs per layer and KV head where its keys are stored after RoPE: its entry
+#: position and stream index.
+POSITION_BYTES = ENTRY_BYTES + INDEX_BYTES
 #: Bytes of one per-token state value a method keeps (an accumulated score, float32).
 STATE_BYTES = 4
 
 
-def bookkeeping_bytes(states: int = 0) -> int:
-    """Bytes one cached token costs per layer and KV head besides its key and value: positions and ``states``
-    per-token values of the method (:attr:`kvcli.methods.base.ScoredMethod.state_names`)."""
-    return POSITION_BYTES + STATE_BYTES * states
-
-
-def kept_bookkeeping(extra: int, key_mode: str) -> int:
-    """``extra`` bytes of bookkeeping a token (:func:`bookkeeping_bytes`, positions included) as a layer whose keys
-    are rounded the ``key_mode`` way keeps it: keys stored before RoPE (per channel) keep no entry position, since
-    they are rotated from 0 wherever they sit (:attr:`kvcli.kv.cache.CompressedLayer.entry_pos`)."""
-    return extra - ENTRY_BYTES if key_mode == "channel" and extra >= POSITION_BYTES else extra
+def bookkeeping_bytes(states: int = 0, key_mode: str = "token") -> int:
+    """Bytes one cached token costs per layer and KV head besides its key and value: its positions and ``states``
+    per-token values of the method (:attr:`kvcli.methods.base.ScoredMethod.state_names`). Keys rounded per channel
+    (``key_mode`` "channel") are stored before RoPE and rotated from 0 wherever they sit, so their layers keep no
+    entry position (:attr:`kvcli.kv.cache.CompressedLayer.entry_pos`)."""
+    entry = 0 if key_mode == "channel" else ENTRY_BYTES
+    return entry + INDEX_BYTES + STATE_BYTES * states
 
 
 @dataclass(frozen=True)
@@ -505,24 +503,25 @@ class TokenCosts:
     extra: int
 
 
-def token_costs(config, bits: int, dtype: torch.dtype, keys: str | None = None, extra: int = 0) -> TokenCosts:
-    """:class:`TokenCosts` on a model with ``config`` at ``bits``, keys rounded the ``keys`` way (None: by bits)."""
+def token_costs(config, bits: int, dtype: torch.dtype, keys: str | None = None, states: int = 0) -> TokenCosts:
+    """:class:`TokenCosts` on a model with ``config`` at ``bits``, keys rounded the ``keys`` way (None: by bits), a
+    token keeping ``states`` per-token values of the method (:func:`bookkeeping_bytes`)."""
     _, head_dim = head_shape(config)
     full = head_dim * torch.tensor([], dtype=dtype).element_size()
     if bits == 16:
-        return TokenCosts(full, full, full, extra)
+        return TokenCosts(full, full, full, bookkeeping_bytes(states))
     quant = KVQuant(bits, keys=keys)
     mode = quant.key_mode
     key, value = quant.token_bytes(head_dim, mode), quant.token_bytes(head_dim)
-    return TokenCosts(key, value, full, kept_bookkeeping(extra, mode))
+    return TokenCosts(key, value, full, bookkeeping_bytes(states, mode))
 
 
 def tokens_for_bytes(config, nbytes: int, bits: int, dtype: torch.dtype, keys: str | None = None,
-                     extra: int = 0, windows: Sequence[int | None] | None = None) -> int:
+                     states: int = 0, windows: Sequence[int | None] | None = None) -> int:
     """The most tokens per budgeted layer whose cache (:func:`cache_bytes`) fits in ``nbytes`` (0 if not even one)."""
 
     def cost(tokens: int) -> int:
-        return cache_bytes(config, tokens, bits, dtype, keys, extra, windows)
+        return cache_bytes(config, tokens, bits, dtype, keys, states, windows)
 
     low, high = 0, 1
     while cost(high) <= nbytes:
