@@ -112,6 +112,25 @@ def test_tokens_join_into_a_word_when_letters_or_digits_meet():
     assert not joins(ord("s"), ord(" ")) and not joins(ord(" "), ord("k")) and not joins(ord("4"), ord("."))
 
 
+def test_a_hyphen_joins_a_word_so_a_uuid_is_recapped_whole():
+    joins = word_joins(Tokenizer())
+    assert joins(ord("8"), ord("-")) and joins(ord("-"), ord("2")) and not joins(ord(" "), ord("-"))
+    uuid = "06f57118-2b33-482a-8b93-485a2705e088"
+    text = "Of all the words, the one for the gate is: " + uuid + ". Then the story goes on for a while longer."
+    peak = text.index(uuid)  # the question finds the uuid's first character
+    recap = Recap(64)  # the default radius and reach
+    recap.observe(fake_cache(len(text), {peak: 90.0}), [ord(c) for c in text], start=0)
+
+    def recapped(rule) -> str:
+        return "".join(chr(i) for i in recap.passages(rule))
+
+    # 36 tokens, 28 past the radius: the reach finishes it.
+    assert "is: " + uuid + "." in recapped(joins)
+    # With a hyphen as a boundary the passage stopped at one inside the uuid.
+    letters = word_joins(SimpleNamespace(decode=lambda ids: "".join(chr(i) for i in ids).replace("-", "+")))
+    assert uuid not in recapped(letters) and "is: 06f57118" in recapped(letters)
+
+
 def test_without_recorded_question_attention_there_is_no_recap():
     cache = fake_cache(10, {})
     for layer in cache.layers:

@@ -25,8 +25,9 @@ The rules, and why:
   block; the left-hand ones may come from the block before.
 * A passage ends and begins between words: it reaches up to ``reach`` more tokens to finish a word cut by
   its radius, or else gives up the cut word (never the peak): a number cut short teaches the model a wrong
-  number (docs/reading.md). Two tokens join into one word when the first ends and the second begins with a
-  letter or digit (digits are tokens of their own in the tokenizers kvcli reads).
+  number, and two pieces of one uuid read back to back make a wrong uuid (docs/reading.md). Two tokens join
+  into one word when the first ends and the second begins with a letter, a digit or a hyphen (digits are
+  tokens of their own in the tokenizers kvcli reads, so a uuid is 36 tokens and one word).
 * The recap and the question end the last block, and a scored method keeps that block whole with the
   question (:attr:`kvcli.kv.cache.LayerView.held`): the recap was read so that every layer and head holds what
   the question pointed at, and the question's queries alone would let a top layer drop part of it again.
@@ -51,22 +52,27 @@ RECAP_TOKENS = 512
 RECALL_TOKENS = 256
 #: Tokens each side of a peak that its passage keeps: a short sentence around a word the question finds.
 RADIUS = 8
-#: Tokens past its radius a passage may take on each side to finish a word (a 7-digit key is 7 tokens).
-REACH = 8
+#: Tokens past its radius a passage may take on each side to finish a word: a uuid (36 tokens) from a peak on its
+#: first character (docs/notes/2026-11-29-recap-whole-uuids.md).
+REACH = 32
 #: Stored ids: outside the document (its edge is a word boundary), and past the block (not known yet).
 OUTSIDE, UNSEEN = -1, -2
 
 
 def word_joins(tokenizer) -> Callable[[int, int], bool]:
     """Whether two token ids, in this order, are one word: the first's text ends and the second's begins with a
-    letter or digit ("6" "0" in "60494", "swe" "pt"), as opposed to " key" after "pass" or "." after "4"."""
+    letter, digit or hyphen ("6" "0" in "60494", "swe" "pt", "8" "-" "2" in a uuid), as opposed to " key" after
+    "pass" or "." after "4"."""
 
     @cache
     def text(token: int) -> str:
         return tokenizer.decode([token])
 
+    def inside(char: str) -> bool:
+        return char.isalnum() or char == "-"
+
     def joins(first: int, second: int) -> bool:
-        return text(first)[-1:].isalnum() and text(second)[:1].isalnum()
+        return inside(text(first)[-1:]) and inside(text(second)[:1])
 
     return joins
 
