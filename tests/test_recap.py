@@ -112,6 +112,17 @@ def test_tokens_join_into_a_word_when_letters_or_digits_meet():
     assert not joins(ord("s"), ord(" ")) and not joins(ord(" "), ord("k")) and not joins(ord("4"), ord("."))
 
 
+def test_a_word_starts_where_a_sentencepiece_tokenizer_drops_the_space_of_a_token_decoded_alone():
+    pieces = {1: "\u2581pass", 2: "\u2581key", 3: "word", 4: "s"}
+
+    def decode(ids, **kwargs):  # as a legacy SentencePiece tokenizer: the first piece's space is dropped
+        return "".join(pieces[i] for i in ids).replace("\u2581", " ").lstrip(" ")
+
+    joins = word_joins(SimpleNamespace(decode=decode))
+    assert decode([2]) == "key" and not joins(1, 2)  # " key" after "pass", though "key" alone has no space
+    assert joins(3, 4) and not joins(4, 1)
+
+
 def test_a_hyphen_joins_a_word_so_a_uuid_is_recapped_whole():
     joins = word_joins(Tokenizer())
     assert joins(ord("8"), ord("-")) and joins(ord("-"), ord("2")) and not joins(ord(" "), ord("-"))
@@ -127,7 +138,7 @@ def test_a_hyphen_joins_a_word_so_a_uuid_is_recapped_whole():
     # 36 tokens, 28 past the radius: the reach finishes it.
     assert "is: " + uuid + "." in recapped(joins)
     # With a hyphen as a boundary the passage stopped at one inside the uuid.
-    letters = word_joins(SimpleNamespace(decode=lambda ids: "".join(chr(i) for i in ids).replace("-", "+")))
+    letters = word_joins(SimpleNamespace(decode=lambda ids, **kwargs: "".join(chr(i) for i in ids).replace("-", "+")))
     assert uuid not in recapped(letters) and "is: 06f57118" in recapped(letters)
 
 

@@ -26,8 +26,9 @@ The rules, and why:
 * A passage ends and begins between words: it reaches up to ``reach`` more tokens to finish a word cut by
   its radius, or else gives up the cut word (never the peak): a number cut short teaches the model a wrong
   number, and two pieces of one uuid read back to back make a wrong uuid (docs/reading.md). Two tokens join
-  into one word when the first ends and the second begins with a letter, a digit or a hyphen (digits are
-  tokens of their own in the tokenizers kvcli reads, so a uuid is 36 tokens and one word).
+  into one word when the first ends and the second begins with a letter, a digit or a hyphen, read from the
+  pair decoded together (a SentencePiece tokenizer drops the space of a token decoded alone). A uuid is one
+  word, 36 tokens in SmolLM2's and Gemma 3's tokenizers (a character a token; Llama 3's groups digits).
 * The recap and the question end the last block, and a scored method keeps that block whole with the
   question (:attr:`kvcli.kv.cache.LayerView.held`): the recap was read so that every layer and head holds what
   the question pointed at, and the question's queries alone would let a top layer drop part of it again.
@@ -62,17 +63,20 @@ OUTSIDE, UNSEEN = -1, -2
 def word_joins(tokenizer) -> Callable[[int, int], bool]:
     """Whether two token ids, in this order, are one word: the first's text ends and the second's begins with a
     letter, digit or hyphen ("6" "0" in "60494", "swe" "pt", "8" "-" "2" in a uuid), as opposed to " key" after
-    "pass" or "." after "4"."""
+    "pass" or "." after "4". The second's first character is read from the pair decoded together, since a
+    SentencePiece tokenizer drops a token's leading space when it is decoded alone."""
 
     @cache
-    def text(token: int) -> str:
-        return tokenizer.decode([token])
+    def text(*ids: int) -> str:
+        return tokenizer.decode(list(ids), clean_up_tokenization_spaces=False)
 
     def inside(char: str) -> bool:
         return char.isalnum() or char == "-"
 
     def joins(first: int, second: int) -> bool:
-        return inside(text(first)[-1:]) and inside(text(second)[:1])
+        head, pair = text(first), text(first, second)
+        after = pair[len(head):len(head) + 1] if pair.startswith(head) else text(second)[:1]
+        return inside(head[-1:]) and inside(after)
 
     return joins
 
