@@ -5,6 +5,7 @@
 Rows: `kvcli ruler --rows` (kvcli's methods) and `docs/results/kvpress_ruler.py --out` (kvpress's presses), joined on
 (task, length, index). Only the samples both files hold count, so every column averages the same samples. A
 cell is the mean score in percent; the average row adds the 95% Wilson interval over all trials of the column.
+``FILE=LABEL`` adds LABEL to the names of that file's columns (the same method at two commits, side by side).
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ from pathlib import Path
 from kvcli.eval.needle import wilson_interval
 
 
-def load(path: str) -> list[dict]:
+def load(argument: str) -> list[dict]:
+    """The trial rows of ``argument`` (a file, or ``FILE=LABEL``), each with the label it adds to its column."""
+    path, _, label = argument.rpartition("=") if "=" in argument and not Path(argument).exists() else (argument, "", "")
     try:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as error:
         sys.exit(f"ruler_table: {path}: not a file of JSON rows ({error})")
-    return [row for row in rows if "task" in row and "score" in row]
+    return [row | {"label": label} for row in rows if "task" in row and "score" in row]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="RULER rows of kvcli and kvpress as one markdown table.")
-    parser.add_argument("rows", nargs="+", help="files of `kvcli ruler --rows` or `kvpress_ruler.py --out` rows")
+    parser.add_argument("rows", nargs="+", help="files of `kvcli ruler --rows` or `kvpress_ruler.py --out` rows "
+                        "(FILE=LABEL adds LABEL to that file's columns)")
     rows = [row for path in parser.parse_args().rows for row in load(path)]
     if not rows:
         sys.exit("ruler_table: no trial rows in these files")
@@ -36,10 +40,11 @@ def main() -> None:
     for row in rows:
         budget = row["ratio"] if row.get("ratio") is not None else f"cache {row['cache']}"  # streamed rows: a cache
         column = row["method"] if row["method"] == "full" else f"{row['method']} {budget}"
+        column += f" {row['label']}" if row["label"] else ""
         cells[column][(row["task"], row["length"], row["index"])] = row["score"]
     shared = set.intersection(*(set(scores) for scores in cells.values()))
     cells = {column: {key: v for key, v in scores.items() if key in shared} for column, scores in cells.items()}
-    columns = sorted(cells, key=lambda c: (c != "full", c.split()[-1], c))
+    columns = sorted(cells, key=lambda c: (c != "full", c.split()[1] if " " in c else "", c))
     tasks = sorted({task for task, _, _ in shared}, key=lambda t: (t.startswith("niah") is False, t))
     print(f"{len(shared)} samples ({len(tasks)} tasks) read by every column\n")
     print("| task | " + " | ".join(columns) + " |")
