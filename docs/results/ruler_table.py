@@ -44,7 +44,8 @@ def main() -> None:
         cells[column][(row["task"], row["length"], row["index"])] = row["score"]
     shared = set.intersection(*(set(scores) for scores in cells.values()))
     cells = {column: {key: v for key, v in scores.items() if key in shared} for column, scores in cells.items()}
-    columns = sorted(cells, key=lambda c: (c != "full", c.split()[1] if " " in c else "", c))
+    order = {column: i for i, column in enumerate(cells)}  # a method's labelled columns in the files' order
+    columns = sorted(cells, key=lambda c: (c != "full", c.split()[1] if " " in c else "", c.split()[0], order[c]))
     tasks = sorted({task for task, _, _ in shared}, key=lambda t: (t.startswith("niah") is False, t))
     print(f"{len(shared)} samples ({len(tasks)} tasks) read by every column\n")
     print("| task | " + " | ".join(columns) + " |")
