@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -325,3 +326,22 @@ def test_plot_draws_the_scores_against_the_ratio_or_per_task(invoke, tiny_model_
     (tmp_path / "link.png").symlink_to(target)  # a link at --plot is replaced, never written through
     assert invoke("ruler", *common, "--cache", "64", "--plot", str(tmp_path / "link.png")).exit_code == 0
     assert target.read_text() == "not a plot" and not (tmp_path / "link.png").is_symlink()
+
+
+def test_the_table_script_puts_one_method_at_two_commits_side_by_side(tmp_path):
+    """docs/results/ruler_table.py joins rows files on their samples; ``FILE=LABEL`` names a file's columns, so the
+    same method before and after a change are two columns, in the order the files were given."""
+    import subprocess
+    import sys
+
+    def rows(name: str, scores: list[float]) -> str:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"task": "vt", "length": 4096, "index": i, "method": "snapkv", "ratio": 0.5,
+                                            "score": s}) + "\n" for i, s in enumerate(scores)))
+        return str(path)
+
+    script = Path(__file__).parent.parent / "docs" / "results" / "ruler_table.py"
+    out = subprocess.run([sys.executable, str(script), rows("old.jsonl", [0.0, 1.0]) + "=before",
+                          rows("new.jsonl", [1.0, 1.0]) + "=after"], capture_output=True, text=True, check=True).stdout
+    assert "| task | snapkv 0.5 before | snapkv 0.5 after |" in out
+    assert "| vt | 50 | 100 |" in out
