@@ -192,9 +192,9 @@ class CompressedLayer(LayerStorage):
         return super().nbytes() + self.bookkeeping_bytes()
 
     def bookkeeping_bytes(self) -> int:
-        """Bytes of what is kept beside the keys and values: each token's entry position (where kept), stream index and
-        per-token method state (what :func:`kvcli.kv.quant.cache_bytes` counts as ``extra``), and any tensor the
-        method keeps for the whole layer."""
+        """Bytes of what is kept beside the keys and values: each token's entry position (where kept), stream index
+        and per-token method state (what :func:`kvcli.kv.quant.bookkeeping_bytes` prices), and any tensor the method
+        keeps for the whole layer."""
         if self.token_idx is None:
             return 0
         layer = [value for value in self.method_state.values() if isinstance(value, torch.Tensor)]

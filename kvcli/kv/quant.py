@@ -500,7 +500,7 @@ class TokenCosts:
     key: int
     value: int
     full_key: int
-    extra: int
+    bookkeeping: int
 
 
 def token_costs(config, bits: int, dtype: torch.dtype, keys: str | None = None, states: int = 0) -> TokenCosts:

@@ -117,8 +117,8 @@ class GroupsFile:
         pairs = self.shape.layers * self.shape.kv_heads
         leads = sum(self.blocks_per_kv_head())
         proximal = min(sinks + max(recent - 1, 0), budget)
-        plain = pairs * budget * (costs.key + costs.value + costs.extra)
-        per_token = pairs * (costs.value + costs.extra) + leads * costs.key
+        plain = pairs * budget * (costs.key + costs.value + costs.bookkeeping)
+        per_token = pairs * (costs.value + costs.bookkeeping) + leads * costs.key
         return max((plain - (pairs - leads) * proximal * costs.full_key) // per_token, 0)
 
     def check_model(self, config, where: str = "groups") -> None:
