@@ -186,8 +186,13 @@ def test_cache_never_exceeds_the_budget_while_reading_and_writing(model, name, o
     assert gen.generated_tokens == 30 and gen.finish_reason == "length"
     decode_calls = [c for c in calls if len(c["ids"]) == 1]
     read_calls = calls[: len(calls) - len(decode_calls)]
+    # PyramidKV's layers share the question's block at the read's last compression (PyramidKV.kept_count): each
+    # keeps as much of it, the pyramid spreads the rest, and only their total stays within the budgets'.
+    shared = read_calls[-1] if name == "pyramidkv" else None
     for call in read_calls:
-        assert all(length <= budget for length, budget in zip(call["lengths"], engine.budgets, strict=True))
+        assert sum(call["lengths"]) <= sum(engine.budgets)
+        if call is not shared:
+            assert all(length <= budget for length, budget in zip(call["lengths"], engine.budgets, strict=True))
     read_end = read_calls[-1]["lengths"]
     if method.keeps_answer:
         # SnapKV and PyramidKV keep their answer: the cache grows by the generated tokens and by nothing
@@ -558,3 +563,47 @@ def test_a_layer_below_the_mean_budget_holds_less_and_leaves_a_quarter_of_the_me
     layer's room less a quarter of the mean room, so a small layer still keeps what scores best elsewhere; a
     layer at the mean (every layer of SnapKV) holds its three quarters as before."""
     assert [held_tail(budget, 30, mean=40) for budget in (40, 24, 12)] == [30, 14, 6]
+
+
+def test_pyramidkv_layers_hold_the_same_share_of_the_question_and_spread_the_rest_as_a_pyramid():
+    """At the compression with a question (a recap and the question held: 311 tokens at cache 542, 30 layers),
+    every PyramidKV layer keeps what a layer at the mean holds of it, the pyramid spreads the rest from the bottom
+    layer down, and the counts still average the budget; a hold over three quarters of the mean is cut there, and
+    without a question the layers keep the paper's budgets."""
+    from kvcli.kv.cache import LayerView
+    from kvcli.methods.pyramidkv import pyramid_selected
+
+    method = make_method("pyramidkv")
+
+    def counts(held: int) -> list[int]:
+        return [method.kept_count(LayerView(depth, 30, None, 0, None, mean_budget=542, question=40 if held else 0,
+                                            held=held), 542) for depth in range(30)]
+
+    shared = counts(311)
+    assert sum(shared) == 30 * 542
+    assert [count - 311 for count in shared] == list(pyramid_selected(542 - 311, 30, 20.0))
+    assert shared == sorted(shared, reverse=True) and shared[-1] - 311 in (11, 12)
+    assert counts(500)[-1] - 542 * 3 // 4 == pyramid_selected(542 - 406, 30, 20.0)[-1]
+    assert counts(0) == [542] * 30
+    assert method.layer_budgets(542, 30)[-1] < 40  # the paper's top layer: fewer tokens than the question
+
+
+def test_a_pyramidkv_top_layer_keeps_the_whole_held_block_whatever_it_scores():
+    """The top layer of 30 at mean budget 40, its early text outscoring the last 30 tokens (a recap and a
+    question of 10): it keeps those 30 whole, and its share of the pyramid of the rest."""
+    from support import append_tokens, make_cache
+
+    from kvcli.kv.cache import AttentionRecord, LayerView
+
+    method = make_method("pyramidkv", {"window": 4, "kernel": 1})
+    cache = make_cache(num_layers=1, kv_heads=1)
+    append_tokens(cache, 60)
+    layer = cache.layers[0]
+    probs = torch.zeros(1, 1, 60)
+    probs[..., :30] = torch.linspace(1.0, 0.5, 30)
+    layer.record = AttentionRecord(probs, 10, probs, own=10)
+    top = method.layer_budgets(40, 30)[-1]
+    view = LayerView(29, 30, layer, 60, layer.record, mean_budget=40, question=10, held=30)
+    kept = set(method.compress(view, top)[0].tolist())
+    assert top < 30 and set(range(30, 60)) <= kept
+    assert len(kept) == method.kept_count(view, top) >= 30

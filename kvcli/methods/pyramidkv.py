@@ -32,8 +32,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import lru_cache
 
 from kvcli.errors import UsageError
+from kvcli.kv.cache import LayerView
 from kvcli.methods.base import check_budget, param
 from kvcli.methods.registry import register
 from kvcli.methods.snapkv import SnapKV
@@ -53,15 +55,16 @@ def apportion(shares: list[Fraction], total: int) -> list[int]:
     return floors
 
 
-def pyramid_selected(selected_mean: int, num_layers: int, beta: float) -> list[int]:
+@lru_cache(maxsize=64)
+def pyramid_selected(selected_mean: int, num_layers: int, beta: float) -> tuple[int, ...]:
     """PyramidKV's arithmetic sequence k^0 >= ... >= k^{m-1} with mean ``selected_mean``, rounded exactly."""
     if num_layers == 1:
-        return [selected_mean]
+        return (selected_mean,)
     mean = Fraction(selected_mean)
     top = mean / Fraction(beta)
     bottom = 2 * mean - top
     step = (bottom - top) / (num_layers - 1)
-    return apportion([bottom - step * layer for layer in range(num_layers)], selected_mean * num_layers)
+    return tuple(apportion([bottom - step * layer for layer in range(num_layers)], selected_mean * num_layers))
 
 
 @register
@@ -71,8 +74,8 @@ class PyramidKV(SnapKV):
     description = ("SnapKV selection (alpha = `window` = 8) under per-layer budgets decreasing "
                    "arithmetically from bottom to top (`beta` sets the top layer; the paper's 20; our beta 5 is "
                    "the pyramidkv-beta5 preset, beyond the paper), averaging --cache. With a question, "
-                   "as snapkv, except that a layer below the mean budget holds less of the recap's block "
-                   "(beyond the paper).")
+                   "every layer holds as much of the question and its recap as snapkv's, and the pyramid "
+                   "spreads the rest (beyond the paper).")
     window: int = param(8, "observation window alpha: the last queries that score the cache (paper: 8)")
     beta: float = param(20.0, "pyramid shape: the top layer selects (cache - sinks - recent) / beta tokens "
                         "(paper: 20; the pyramidkv-beta5 preset sets 5, beyond the paper)")
@@ -88,3 +91,26 @@ class PyramidKV(SnapKV):
         self.validate(budget)
         kept = self.sinks + self.recent_tokens()
         return [kept + selected for selected in pyramid_selected(budget - kept, num_layers, self.beta)]
+
+    def held(self, view: LayerView) -> int:
+        """Tokens of the reader's held block (:attr:`LayerView.held`) every layer keeps: what a layer at the mean
+        budget holds of it (:func:`kvcli.methods.base.question_tail`), at least the window; 0 without a question."""
+        if not view.held or view.mean_budget is None:
+            return 0
+        return max(min(view.held, (view.mean_budget - self.sinks) * 3 // 4), self.recent_tokens())
+
+    def kept_count(self, view: LayerView, budget: int) -> int:
+        """The layer's budget; at the compression with a question, the held block (:meth:`held`) and the layer's
+        share of a pyramid over what is left of the mean budget, so that the budgets still average it."""
+        held = self.held(view)
+        if not held:
+            return budget
+        kept = self.sinks + held
+        rest = max(view.mean_budget - kept, 0)
+        return kept + pyramid_selected(rest, view.num_layers, self.beta)[view.layer_idx]
+
+    def _protected_span(self, view: LayerView, budget: int, count: int) -> tuple[int, int, int]:
+        held = self.held(view)
+        if not held:
+            return super()._protected_span(view, budget, count)
+        return view.length, self.sinks, held
