@@ -33,12 +33,15 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from kvcli.errors import UsageError
-from kvcli.kv.cache import LayerView
 from kvcli.methods.base import check_budget, param
 from kvcli.methods.registry import register
 from kvcli.methods.snapkv import SnapKV
+
+if TYPE_CHECKING:
+    from kvcli.kv.cache import LayerView
 
 
 def apportion(shares: list[Fraction], total: int) -> list[int]:
