@@ -36,7 +36,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from kvcli.errors import UsageError
-from kvcli.methods.base import check_budget, param
+from kvcli.methods.base import check_budget, param, question_tail
 from kvcli.methods.registry import register
 from kvcli.methods.snapkv import SnapKV
 
@@ -100,7 +100,8 @@ class PyramidKV(SnapKV):
         budget holds of it (:func:`kvcli.methods.base.question_tail`), at least the window; 0 without a question."""
         if not view.held or view.mean_budget is None:
             return 0
-        return max(min(view.held, (view.mean_budget - self.sinks) * 3 // 4), self.recent_tokens())
+        mean = view.mean_budget
+        return max(question_tail(view, mean, mean, self.sinks), self.recent_tokens())
 
     def kept_count(self, view: LayerView, budget: int) -> int:
         """The layer's budget; at the compression with a question, the held block (:meth:`held`) and the layer's
