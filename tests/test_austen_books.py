@@ -47,8 +47,13 @@ def test_the_books_come_out_of_an_r_lazy_load_database_line_by_line(tmp_path):
     index = serialized(named(variables + ints(10, 1, 1), 2, ints((1 << 8) | 255) + strings("variables", "compressed")))
     (tmp_path / "Rdata.rdx").write_bytes(gzip.compress(index))
     (tmp_path / "Rdata.rdb").write_bytes(database)
+    target = tmp_path / "kept.txt"
+    target.write_text("not a book")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "emma.txt").symlink_to(target)  # a link at an output is replaced, never written through
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), str(tmp_path / "out")],
                           capture_output=True, text=True, check=True)
     assert (tmp_path / "out" / "emma.txt").read_text() == "EMMA\n\nBy Jane Austen"
     assert (tmp_path / "out" / "persuasion.txt").read_text() == "Persuasion"
     assert "emma.txt: 20 characters" in done.stderr
+    assert target.read_text() == "not a book" and not (tmp_path / "out" / "emma.txt").is_symlink()

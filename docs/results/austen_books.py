@@ -7,7 +7,7 @@ R code is run and nothing is unpickled. Usage, on a machine with Debian's archiv
     apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb pkg
     python docs/results/austen_books.py pkg/usr/lib/R/site-library/janeaustenr/data OUT_FOLDER
 
-writes ``emma.txt``, ``persuasion.txt``, ... (the lines joined with newlines).
+writes ``emma.txt``, ``persuasion.txt``, ... (the lines joined with newlines), each replaced whole.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import struct
 import sys
 import zlib
 from pathlib import Path
+
+from kvcli.io.outputs import replace_file
 
 NIL, SYMBOL, PAIRLIST, CHARS, LOGICALS, INTS, STRINGS, LIST, REF = 254, 1, 2, 9, 10, 13, 16, 19, 255
 
@@ -98,5 +100,5 @@ if __name__ == "__main__":
     source, out = Path(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     for name, text in books(source).items():
-        (out / f"{name}.txt").write_text(text, encoding="utf-8")
+        replace_file(out / f"{name}.txt", text.encode("utf-8"))  # a link there is replaced, never written through
         print(f"{name}.txt: {len(text):,} characters", file=sys.stderr)
