@@ -23,8 +23,13 @@ exit 2) a budget whose top layer would select no token at all (``S < beta``); kv
 official code (KVCache-Factory) instead fall back to SnapKV's uniform budgets when the top layer
 would select fewer than alpha tokens. At a 30-layer model and cache 256, beta 20 leaves the top
 layer 8 + 12 tokens. The ``pyramidkv-beta5`` preset keeps beta 5, a choice of ours beyond the paper
-(docs/methods.md). Beyond the paper too: a reader's question is kept in every layer like the
-window (:meth:`ScoredMethod.protected`).
+(docs/methods.md).
+
+Beyond the paper too: a reader's question, and after a recap the whole block it ends
+(:attr:`LayerView.held`), is the instruction the paper's window stands for, so at the compression with a
+question every layer keeps the same share of it, as much as a layer at the mean budget holds
+(:meth:`PyramidKV.held`), and the pyramid spreads what is left (:meth:`PyramidKV.kept_count`), so that a small
+top layer still holds what the answer is written from (docs/methods.md, "With a reader's question").
 """
 
 from __future__ import annotations
