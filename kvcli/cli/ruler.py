@@ -252,7 +252,7 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
     else:
         print_result(score_table(result.scores(), loaded.name))
     if plot is not None and result.trials:
-        from kvcli.eval.ruler_plot import plot_ruler
+        from kvcli.eval.ruler.plot import plot_ruler
 
         setup.note(f"wrote {plot_ruler(result.scores(), plot, loaded.name)}")
 

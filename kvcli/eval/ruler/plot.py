@@ -1,6 +1,6 @@
 """The plot of ``kvcli ruler --plot``: the average RULER score per method with its 95% interval.
 
-Drawn from the score rows (:meth:`kvcli.eval.ruler.RulerResult.scores`), one panel per length: against kvpress's
+Drawn from the score rows (:meth:`kvcli.eval.ruler.trials.RulerResult.scores`), one panel per length: against kvpress's
 compression ratio for a ``--ratios`` run (the form of kvpress's leaderboard), else per task at the run's cache.
 Needs matplotlib (:func:`kvcli.io.plots.pyplot`).
 """
