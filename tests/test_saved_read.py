@@ -308,3 +308,35 @@ def test_recalled_pages_come_heaviest_last_each_with_the_next():
     assert heaviest_last(weight, 5) == [4, 5, 6, 1, 2]
     assert heaviest_last(weight, 1) == [1]
     assert heaviest_last(torch.tensor([-1.0, 0.1, 0.9]), 4) == [1, 2]  # the last page has no next; -1 never
+
+
+@pytest.mark.parametrize("tail", [3, 15])
+def test_recalled_tokens_are_read_in_the_questions_block_whatever_the_documents_tail(tiny_model_dir, monkeypatch,
+                                                                                      tail):
+    """The document's unread tail, the paragraph break and the recall over one block: the tail is read first, as a
+    block of its own, so every recalled token is read with the question and held with it; none goes into a block
+    compressed before the question (an answer from a saved read has no probe to score that block by)."""
+    from kvcli import Engine, load_model, make_method
+    from kvcli.reading import saved
+    from kvcli.reading.reader import Reader
+
+    loaded = load_model(str(tiny_model_dir))
+    engine = Engine(loaded.model, make_method("snapkv"), 48, block=16)
+    reader = Reader(engine, loaded.tokenizer)
+    start = len(saved.prompt_parts(loaded.tokenizer, "").prefix)  # the chat template's opening is read first
+    state = saved.read_once(reader, [list(range(5, 5 + 64 + (tail - start) % 16))])
+    assert len(state.pending) == tail
+    again = list(range(200, 212))
+    monkeypatch.setattr(saved, "recalled", lambda *args: again)
+    forwards = []
+    real = Reader._forward
+    monkeypatch.setattr(Reader, "_forward", lambda self, cache, ids, *args, **kw: forwards.append(
+        (list(ids), kw.get("held", 0))) or real(self, cache, ids, *args, **kw))
+    parts = saved.prompt_parts(loaded.tokenizer, QUESTIONS[0])
+    saved.answer(reader, state, parts, 1, recall=len(again))
+    reads = [(ids, held) for ids, held in forwards if ids[-len(parts.suffix):] != parts.suffix or held]
+    last, held = reads[-1]
+    assert last[-len(parts.suffix) - len(again):-len(parts.suffix)] == again and held >= len(again) + len(parts.suffix)
+    assert all(not set(again) & set(ids) for ids, _ in reads[:-1])
+    if tail + len(again) + 1 > 16:  # the tail could not share the question's block: read on its own first
+        assert reads[-2][0] == state.pending

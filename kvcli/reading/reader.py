@@ -154,12 +154,21 @@ class Reader:
         return self.finish(cache, pending, parts, result, read, document, held, started)
 
     def read_again(self, cache, pending: list[int], again: list[int], result: Generation, started: float, read: int,
-                   probe: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> tuple[int, int]:
+                   probe: torch.Tensor | None = None, span: tuple[int, int] | None = None,
+                   whole: bool = False) -> tuple[int, int]:
         """A paragraph break and ``again`` (recap, recall) read after the document; the tokens read so far, and how
-        many the last block holds (they stay with the question)."""
+        many the last block holds (they stay with the question). ``whole``: when the document's unread tail, the
+        break and ``again`` exceed a block, the tail is read first as a block of its own, so that ``again`` ends in
+        the question's block; without it, the block that overflows is compressed before the question is read,
+        which without a ``probe`` (an answer from a saved read) may drop what was read again for the question."""
         result.recap_tokens = len(again)
-        read = self.read_blocks(cache, pending, [encode(self.tokenizer, RECAP_SEPARATOR) + again], result, started,
-                                read=read, probe=probe, span=span)
+        again = encode(self.tokenizer, RECAP_SEPARATOR) + again
+        if whole and pending and len(pending) + len(again) > self.engine.block:
+            self._forward(cache, pending, probe, result, last_only=True, span=span)
+            read += len(pending)
+            pending.clear()
+            self._progress(read, cache, started)
+        read = self.read_blocks(cache, pending, [again], result, started, read=read, probe=probe, span=span)
         return read, len(pending)
 
     def read_blocks(self, cache, pending: list[int], chunks: Iterable[list[int]], result: Generation,

@@ -27,6 +27,11 @@ The rules, and why:
   float16's normal range): the ranking of pages does not move from the model's precision, at half its bytes.
 * The middle layers (a third to five sixths of the depth), as the recap: the bottom layers' question attention is
   spread, the top layers' goes to the answer's format.
+* The recalled pages end the document in the question's block, held with the question: when the document's
+  unread tail, a paragraph break and the pages would overflow a block, the tail is read first, on its own. Read
+  across a block's end, most of the pages would be compressed before the question is read, with nothing to tell
+  the method they matter, and a small layer may keep none of them
+  (docs/notes/2026-11-30-every-method-and-a-second-96k-read.md).
 * The pages of the prompt's start (the chat template) and the document's last tokens (read with the question in
   any case) are never recalled.
 * Memory: the keys and ids grow with the read (``layers x heads x (dim + 2) + 4`` bytes a token: 3,172 for

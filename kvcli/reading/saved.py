@@ -260,7 +260,8 @@ def answer(reader, state: ReadState, question: str | PromptParts, max_new_tokens
     """Answer ``question`` (framed as ``ask`` frames it, or the prompt :func:`prompt_parts` built) from ``state``: a
     fresh copy of its cache, the document's last tokens and the question read as the last block of a streamed
     ``ask`` without a probe, then the answer written. ``recall``: first read again at most this many tokens of the
-    pages the question points at (:mod:`kvcli.reading.recall`), after the document and before the question; 0:
+    pages the question points at (:mod:`kvcli.reading.recall`), after the document and before the question, in the
+    question's block (the document's tail is read first when all three would not fit one); 0:
     none, so the answer is a fresh ``ask --no-probe --no-one-shot``'s; None: :data:`RECALL_TOKENS` where the read
     kept its index, else none. Nothing in ``state`` changes, so every question of a read starts from the same
     cache."""
@@ -275,7 +276,7 @@ def answer(reader, state: ReadState, question: str | PromptParts, max_new_tokens
     cache = state.cache(reader.engine)
     pending, read, held = list(state.pending), state.read_tokens, len(parts.suffix)
     if recall > 0 and (again := recalled(reader, state, cache, parts, recall)):
-        read, last = reader.read_again(cache, pending, again, result, started, read)
+        read, last = reader.read_again(cache, pending, again, result, started, read, whole=True)
         held += last
     hidden = reader.finish(cache, pending, parts, result, read, state.document_tokens, held, started)
     result.read_seconds = time.perf_counter() - started
