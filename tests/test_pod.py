@@ -625,3 +625,21 @@ def test_a_long_proximal_window_at_few_bits_buys_pod_fewer_tokens_never_more_byt
     for start in range(0, ids.shape[1], 32):
         engine.forward(cache, ids[:, start:start + 32])
     assert cache.nbytes() <= nbytes, (budget, plain, cache.nbytes())
+
+
+@pytest.mark.parametrize("length", [60, 800])  # one shot (with a recap, were there a probe) and streamed
+def test_ask_with_a_pod_selection_reads_without_a_probe_and_says_so(invoke, tmp_path, tiny_model_dir, length):
+    """PoD's cache stores every block it is given, so it cannot take the question's probe: `ask` reads without
+    one (and so without a recap), with one warning, rather than failing with a traceback."""
+    book = tmp_path / "book.txt"
+    book.write_text(" ".join(f"word{i % 37} and more" for i in range(length)))
+    from transformers import AutoConfig
+
+    groups = tmp_path / "groups.json"
+    GroupsFile("tiny", ModelShape.of(AutoConfig.from_pretrained(tiny_model_dir)), [[[0, 1]], [[0], [1]]]).save(groups)
+    result = invoke("ask", book, "Which word comes first?", "--model", tiny_model_dir, "--method", "pod",
+                    "-o", f"groups={groups}", "-o", "sinks=2", "-o", "recent=8", "-o", "select=snapkv",
+                    "--cache", "64", "--block", "32", "--max-new-tokens", "3", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["generated_tokens"] >= 1
+    assert result.stderr.count("pod reads without the question's probe") == 1

@@ -121,6 +121,12 @@ class Method:
         """
         return [self.compress(view, budget) for view, budget in zip(views, budgets, strict=True)]
 
+    def probes(self) -> bool:
+        """Whether its cache can take a question's probe (:meth:`kvcli.engine.engine.Engine.forward`'s ``probe``:
+        queries that attend and record without being stored). A reader that would probe reads without one where it
+        cannot, and so without a recap."""
+        return True
+
     def nests(self) -> bool:
         """Whether a read that needs only its last position may compress each layer as soon as it has
         run and give the next layer only the tokens it passes on (PyramidInfer's nested selection).

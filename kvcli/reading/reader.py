@@ -108,6 +108,10 @@ class Reader:
         """Put ``prefix + document + suffix`` into ``cache``; return the last prompt token's hidden state.
         ``one_shot`` None decides by size: a prompt of at most ``limit`` tokens is one forward."""
         started = time.perf_counter()
+        if probe and not self.engine.method.probes():
+            self.engine.warn(f"{self.engine.method.name} reads without the question's probe (its cache cannot take "
+                             "one), so without a recap: the question scores only the last block")
+            probe = False
         if one_shot is False:
             limit = -1
         elif one_shot is True:

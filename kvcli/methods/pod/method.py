@@ -102,6 +102,9 @@ class PoD(Method):
             return budget
         return self.layer_groups(config).equal_bytes_budget(budget, self.sinks, self.recent, costs)
 
+    def probes(self) -> bool:
+        return False  # PodStore appends every block it sees: a probe's queries would be stored (no rollback yet)
+
     def score_window(self, block_len: int) -> int:
         return self.inner.score_window(block_len) if self.inner is not None else 0
 
