@@ -24,6 +24,7 @@ from kvcli.errors import KvcliError, UsageError
 from kvcli.eval.kl import token_digest
 from kvcli.io.identity import as_json, method_params_check, resumed_trials
 from kvcli.io.outputs import RowLog
+from kvcli.io.report import each_once
 from kvcli.reading.prompts import (
     ANSWER_REPETITION,
     build_prompt,
@@ -301,7 +302,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
         run.update(dtype=str(next(model.parameters()).dtype), one_shot=one_shot, lengths=lengths, depths=depths,
                    trials=trials, tokens=len(tokens), tokens_sha256=token_digest(tokens))
         previous = log.open(run, params, total)
-    done = 0
+    done, warn = 0, each_once(warn)  # an engine per trial: each warning once
     for stack in haystacks(tokenizer, tokens, lengths, depths, trials, seed, fixed=fixed):
         parts = build_prompt(tokenizer, question_instruction(stack.question, answer_prefix))
         for name in methods:

@@ -11,7 +11,7 @@ import math
 import os
 import resource
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +29,20 @@ def warn(message: str) -> None:
     """One line on stderr, never on stdout. The message is escaped: brackets in it are text (an install hint
     such as ``pip install 'kvcli[gemma]'``), not Rich markup that would vanish from the line."""
     stderr_console.print(f"[yellow]warning:[/yellow] {escape(message)}", markup=True)
+
+
+def each_once(say: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """``say``, passing each distinct message on once: a grid builds an engine per trial, and the same warning
+    about a method or a length should be read once, not once a trial."""
+    if say is None:
+        return None
+    said: set[str] = set()
+
+    def once(message: str) -> None:
+        if message not in said:
+            said.add(message)
+            say(message)
+    return once
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -92,9 +92,8 @@ class Reader:
     def __init__(self, engine: Engine, tokenizer, *, stop_ids: Iterable[int] = (), stop: Iterable[str] = (),
                  temperature: float = 0.0, seed: int = 0, recap: int = 0, repetition: Repetition = Repetition(),
                  on_progress: Callable[[int, int, float], None] | None = None):
-        """``recap``: a compressed read with a question re-reads at most this many document tokens (and at most
-        half the budget) that the question pointed at before the question (:mod:`kvcli.reading.recap`); 0 = none.
-        ``stop_ids``, ``stop``, ``temperature``, ``seed`` and ``repetition`` are the writer's."""
+        """``recap``: at most this many tokens the question pointed at, re-read before it (:mod:`kvcli.reading.recap`;
+        0 = none). ``stop_ids``, ``stop``, ``temperature``, ``seed`` and ``repetition`` are the writer's."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.recap = recap
@@ -108,16 +107,9 @@ class Reader:
         """Put ``prefix + document + suffix`` into ``cache``; return the last prompt token's hidden state.
         ``one_shot`` None decides by size: a prompt of at most ``limit`` tokens is one forward."""
         started = time.perf_counter()
-        if probe and not self.engine.method.probes():
-            self.engine.warn(f"{self.engine.method.name} reads without the question's probe (its cache cannot take "
-                             "one), so without a recap: the question scores only the last block")
-            probe = False
-        if one_shot is False:
-            limit = -1
-        elif one_shot is True:
-            limit = None
+        probe = probe and can_probe(self.engine)
         chunks = iter(document)
-        buffered, whole = _opening(parts, chunks, limit)
+        buffered, whole = _opening(parts, chunks, -1 if one_shot is False else (None if one_shot else limit))
         if whole and not recaps_whole(self.engine, self.recap, parts, probe, len(buffered)):
             hidden = self._read_whole(cache, parts, buffered, result, started)
         else:
@@ -161,17 +153,13 @@ class Reader:
                    probe: torch.Tensor | None = None, span: tuple[int, int] | None = None,
                    whole: bool = False) -> tuple[int, int]:
         """A paragraph break and ``again`` (recap, recall) read after the document; the tokens read so far, and how
-        many the last block holds (they stay with the question). ``whole``: when the document's unread tail, the
-        break and ``again`` exceed a block, the tail is read first as a block of its own, so that ``again`` ends in
-        the question's block; without it, the block that overflows is compressed before the question is read,
-        which without a ``probe`` (an answer from a saved read) may drop what was read again for the question."""
+        many the last block holds (they stay with the question). ``whole``: the document's unread tail goes first,
+        all but its last token, where it would push part of ``again`` into a block compressed before the question."""
         result.recap_tokens = len(again)
         again = encode(self.tokenizer, RECAP_SEPARATOR) + again
-        if whole and pending and len(pending) + len(again) > self.engine.block:
-            self._forward(cache, pending, probe, result, last_only=True, span=span)
-            read += len(pending)
-            pending.clear()
-            self._progress(read, cache, started)
+        if whole and len(pending) + len(again) > self.engine.block:
+            read = self.read_blocks(cache, pending, [[]], result, started, read=read, probe=probe, span=span,
+                                    block=len(pending) - 1)
         read = self.read_blocks(cache, pending, [again], result, started, read=read, probe=probe, span=span)
         return read, len(pending)
 
@@ -281,3 +269,13 @@ def document_tokens(documents, tokenizer, separator: str = "\n\n") -> Iterator[l
 
     for chunk in token_stream(documents, tokenizer, special_tokens=False, separator=separator):
         yield chunk.ids
+
+
+def can_probe(engine: Engine) -> bool:
+    """Whether ``engine``'s method can take the question's probe (:meth:`kvcli.methods.base.Method.probes`); where it
+    cannot, says once that the read goes without one, and so without a recap."""
+    if engine.method.probes():
+        return True
+    engine.warn(f"{engine.method.name} reads without the question's probe (its cache cannot take one), so without a "
+                "recap: the question scores only the last block")
+    return False

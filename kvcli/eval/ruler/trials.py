@@ -12,6 +12,7 @@ from kvcli.eval.ruler.grading import recall
 from kvcli.eval.ruler.tasks import TASKS, Book, Sample, answer_limit, make_sample
 from kvcli.io.identity import as_json, method_params_check, resumed_trials
 from kvcli.io.outputs import RowLog
+from kvcli.io.report import each_once
 from kvcli.reading.prompts import build_prompt, question_frame, question_instruction
 
 DEFAULT_LENGTHS = (4096,)
@@ -190,7 +191,7 @@ def run_ruler(model, tokenizer, book: Book, tasks: Iterable[str], methods: Itera
     if log is not None:
         run = row_run(result.settings, dtype=str(next(model.parameters()).dtype), book_sha256=book_digest)
         previous = log.open(run, result.settings["params"], wanted)
-    reading = Reading(model, tokenizer, built, block, kv_bits, recap, one_shot, probe, warn,
+    reading = Reading(model, tokenizer, built, block, kv_bits, recap, one_shot, probe, each_once(warn),
                       stop_token_ids(tokenizer, model), saved)
     for length in lengths:
         for name in tasks:
