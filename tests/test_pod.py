@@ -643,3 +643,20 @@ def test_ask_with_a_pod_selection_reads_without_a_probe_and_says_so(invoke, tmp_
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["generated_tokens"] >= 1
     assert result.stderr.count("pod reads without the question's probe") == 1
+
+
+def test_a_saved_pod_read_answers_without_recall_and_refuses_it(tiny_model_dir):
+    """Recall takes the question's queries from a probe, which PoD's cache cannot take: a saved PoD read answers
+    without recall by default, and asking for recall is refused with kvcli's one-line error, never a traceback."""
+    from kvcli import Engine, KvcliError, load_model
+    from kvcli.reading.reader import Reader
+    from kvcli.reading.saved import answer, read_once
+
+    loaded = load_model(str(tiny_model_dir))
+    pod = make_method("pod", {"groups": GroupsFile.separate(loaded.model.config), "sinks": 2, "recent": 8,
+                              "select": "snapkv"})
+    reader = Reader(Engine(loaded.model, pod, 48, block=16), loaded.tokenizer)
+    state = read_once(reader, [list(range(5, 120))])
+    assert answer(reader, state, "Which word comes first?", 3).recap_tokens == 0
+    with pytest.raises(KvcliError, match="no recall index this kvcli can use"):
+        answer(reader, state, "Which word comes first?", 3, recall=32)

@@ -129,11 +129,18 @@ class ReadState:
                 raise KvcliError(f"{path} cannot be answered here: {clause}")
 
 
+def can_recall(reader, state: ReadState) -> bool:
+    """Whether ``state`` can be recalled from on ``reader``: its index is usable and the method's cache takes the
+    probe that gives the question's queries (:meth:`kvcli.methods.base.Method.probes`)."""
+    return state.can_recall() and reader.engine.method.probes()
+
+
 def recalled(reader, state: ReadState, cache, parts: PromptParts, tokens: int) -> list[int]:
     """The ids of the pages of ``state`` the question of ``parts`` points at, at most ``tokens``."""
-    if not state.can_recall():
+    if not can_recall(reader, state):
         raise KvcliError("this read has no recall index this kvcli can use (a read that nests its layers, "
-                         "pyramidinfer, or a file of an older kvcli): ask without --recall, or read the book again")
+                         "pyramidinfer; a method whose cache takes no probe, pod; or a file of an older kvcli): ask "
+                         "without --recall, or read the book again")
     return select(reader.engine, cache, state.recall_tensors, state.recall_facts, parts.suffix, parts.question_span,
                   tokens, len(state.prefix))
 
@@ -266,7 +273,7 @@ def answer(reader, state: ReadState, question: str | PromptParts, max_new_tokens
     kept its index, else none. Nothing in ``state`` changes, so every question of a read starts from the same
     cache."""
     if recall is None:
-        recall = RECALL_TOKENS if state.can_recall() else 0
+        recall = RECALL_TOKENS if can_recall(reader, state) else 0
     parts = prompt_parts(reader.tokenizer, question) if isinstance(question, str) else question
     if list(parts.prefix) != state.prefix:
         raise KvcliError("the saved read began with another prompt start (chat template) than this question's: read "
