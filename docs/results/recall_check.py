@@ -1,6 +1,6 @@
 """Six keyed facts in a book, read once, asked from the saved read with and without --recall (issue #54).
 
-    python docs/results/recall_check.py build BOOK.txt haystack.txt keys.json [CHARS [SEED]]   # 100,000 from 30 % on
+    python docs/results/recall_check.py build BOOK.txt haystack.txt keys.json [CHARS [SEED [START]]]  # 100,000, 30 %
     kvcli read haystack.txt --out h.kvc --method snapkv --cache 1024
     kvcli ask h.kvc "What is the pass key for the red door?" ... --recall 512 --json > answers.json
     python docs/results/recall_check.py score keys.json answers.json ...
@@ -21,9 +21,10 @@ NAMES = ["red door", "blue box", "old bridge", "green lamp", "iron gate", "silve
 DEPTHS = [0.10, 0.25, 0.40, 0.55, 0.70, 0.85]
 
 
-def build(book: str, out: str, keys_out: str, chars: int = 100_000, seed: int = 2026) -> None:
+def build(book: str, out: str, keys_out: str, chars: int = 100_000, seed: int = 2026, start_at: float = 0.3) -> None:
+    """``chars`` characters of ``book`` from the share ``start_at`` of it on, six keys put in (same seed, same file)."""
     text = Path(book).read_text(encoding="utf-8")
-    start = int(len(text) * 0.3)
+    start = int(len(text) * start_at)
     text = text[start:start + chars]
     rng = random.Random(seed)
     keys = [str(rng.randint(10000, 99999)) for _ in NAMES]
@@ -50,6 +51,6 @@ def score(keys_path: str, answers: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "build":
-        build(*sys.argv[2:5], *map(int, sys.argv[5:7]))
+        build(*sys.argv[2:5], *map(int, sys.argv[5:7]), *map(float, sys.argv[7:8]))
     else:
         score(sys.argv[2], sys.argv[3:])
