@@ -307,7 +307,18 @@ def test_recalled_pages_come_heaviest_last_each_with_the_next():
     # heaviest 0.6) read in stream order; the heaviest passage, 1-2, last
     assert heaviest_last(weight, 5) == [4, 5, 6, 1, 2]
     assert heaviest_last(weight, 1) == [1]
-    assert heaviest_last(torch.tensor([-1.0, 0.1, 0.9]), 4) == [1, 2]  # the last page has no next; -1 never
+    assert heaviest_last(torch.tensor([-1.0, 0.1, 0.9]), 4) == [2]  # the last page has no next; -1 never
+
+
+def test_recall_leaves_pages_far_lighter_than_the_heaviest():
+    from kvcli.reading.recall import KEEP_SHARE, heaviest_last
+
+    weight = torch.tensor([-1.0, 0.9, 0.1, 0.2, 0.6, 0.0, 0.5, 0.05, 0.3])
+    assert KEEP_SHARE == 0.5
+    # room for eight pages: 1, 4 and 6 weigh at least half of 0.9, each comes with its next; 8 (0.3) stays out
+    assert heaviest_last(weight, 8) == [4, 5, 6, 7, 1, 2]
+    assert heaviest_last(weight, 8, share=0.0) == [1, 2, 3, 4, 5, 6, 7, 8]  # 8, then 3 (with 4) join all
+    assert heaviest_last(torch.tensor([-1.0, 0.1, 0.9]), 4, share=0.0) == [1, 2]
 
 
 @pytest.mark.parametrize("tail", [3, 15])

@@ -19,6 +19,10 @@ The rules, and why:
   ("bridge") may be all that finds its page, and one token of the page may be all it matches.
 * Keys and queries before RoPE: a page's positions were re-assigned or evicted long before the question, so only
   the content of the keys can be compared (Quest compares after RoPE, within one context window).
+* Only pages weighing at least :data:`KEEP_SHARE` of the heaviest: the budget is an upper bound, not a quota. A
+  small model given several sentences of the same form ("the pass key for the X is K") copies one of the others;
+  a page far lighter than the heaviest is seldom the one the question needs, and recalled it competes with it
+  (docs/notes/2026-12-05-recall-question-first.md).
 * The heaviest passage last, next to the question: a small model copies the nearest sentence that fits the
   question, so pages in stream order let the latest of several similar facts answer every question about any of
   them. Each page comes with the page after it, and neighbouring pages stay together in stream order: the answer
@@ -49,6 +53,9 @@ from kvcli.reading.recap import scored_layers
 
 #: Tokens per page of the index: the unit recalled.
 PAGE = 32
+
+#: A page is recalled only if it weighs at least this share of the heaviest page's weight.
+KEEP_SHARE = 0.5
 
 #: What :class:`PageIndex` stores, recorded in a saved read: a file without it has no index this kvcli can use.
 KIND = "keys-int8"
@@ -142,12 +149,14 @@ def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix:
     return [token for p in chosen for token in ids[p * page:(p + 1) * page]]
 
 
-def heaviest_last(weight: torch.Tensor, count: int) -> list[int]:
-    """At most ``count`` pages: the heaviest (``weight`` >= 0) each with the page after it, neighbours joined into
-    passages in stream order, the passages lightest first and the heaviest (by its heaviest page) last."""
+def heaviest_last(weight: torch.Tensor, count: int, share: float = KEEP_SHARE) -> list[int]:
+    """At most ``count`` pages: the heaviest (``weight`` >= 0, and at least ``share`` of the heaviest's) each with
+    the page after it, neighbours joined into passages in stream order, the passages lightest first and the
+    heaviest (by its heaviest page) last."""
     chosen: set[int] = set()
+    floor = share * float(weight.max()) if weight.numel() else 0.0
     for p in weight.argsort(descending=True).tolist():
-        if len(chosen) >= count or weight[p] < 0:
+        if len(chosen) >= count or weight[p] < 0 or weight[p] < floor:
             break
         pair = {p, p + 1} if p + 1 < weight.numel() else {p}
         chosen |= pair if len(chosen | pair) <= count else {p}
