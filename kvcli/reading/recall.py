@@ -102,14 +102,27 @@ class PageIndex:
         """What a saved read stores of the index: every token's rounded keys and scales, and the ids read. The
         blocks are joined once and kept joined, so the index is never held twice."""
         shape = (0, len(self.layers), self.heads)
-        self.keys = [torch.cat(self.keys) if self.keys else torch.zeros((*shape, self.dim), dtype=torch.int8)]
-        self.scales = [torch.cat(self.scales) if self.scales else torch.zeros(shape, dtype=torch.float16)]
+        self.keys = [_joined(self.keys) if self.keys else torch.zeros((*shape, self.dim), dtype=torch.int8)]
+        self.scales = [_joined(self.scales) if self.scales else torch.zeros(shape, dtype=torch.float16)]
         return {"recall.keys": self.keys[0], "recall.scales": self.scales[0],
                 "recall.ids": torch.tensor(self.ids, dtype=torch.int32)}
 
     def facts(self) -> dict:
         return {"layers": self.layers, "heads": self.heads, "dim": self.dim, "page": self.page,
                 "usable": self.usable, "kind": KIND}
+
+
+def _joined(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """``blocks`` joined along the first dimension, each block let go once copied (the list is emptied), so that
+    a long read's index is never held twice (``torch.cat`` would hold every block and the whole at once)."""
+    first = blocks[0]
+    whole = torch.empty((sum(b.shape[0] for b in blocks), *first.shape[1:]), dtype=first.dtype)
+    at = 0
+    while blocks:
+        block = blocks.pop(0)
+        whole[at:at + block.shape[0]] = block
+        at += block.shape[0]
+    return whole
 
 
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

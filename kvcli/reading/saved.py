@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 
 from kvcli.errors import KvcliError
 from kvcli.io.outputs import atomic_write
+from kvcli.io.tensorfile import TensorFileError, data_of, file_parts, header_of, read_tensors
 from kvcli.kv.quant import nbytes
 from kvcli.kv.snapshot import SnapshotError, restore_cache, snapshot_cache
 from kvcli.reading.generate import Generation
@@ -83,35 +85,28 @@ class ReadState:
         return bool(self.recall_facts.get("usable")) and self.recall_facts.get("kind") == RECALL_KIND
 
     def save(self, path: Path) -> int:
-        """Write the state to ``path`` at once; return the file's size in bytes."""
-        from safetensors.torch import save
-
+        """Write the state to ``path`` at once; return the file's size in bytes. The data is written tensor by
+        tensor, never joined in memory (:func:`kvcli.io.tensorfile.file_parts`)."""
         header = {"format": FORMAT, "version": VERSION, "identity": self.identity, "cache": self.facts,
                   "prefix": self.prefix, "pending": self.pending, "read_tokens": self.read_tokens,
                   "document_tokens": self.document_tokens, "max_cache_tokens": self.max_cache_tokens,
                   "read_seconds": self.read_seconds, "recall": self.recall_facts}
-        body = save({**self.tensors, **self.recall_tensors})
-        header["data_sha256"] = hashlib.sha256(_data(body)).hexdigest()
-        parts = _with_metadata(body, {FORMAT: json.dumps(header, default=str)})
+        parts, _ = file_parts({**self.tensors, **self.recall_tensors}, {FORMAT: json.dumps(header, default=str)},
+                              sealed=FORMAT)
         atomic_write(Path(path), parts)
         return sum(len(part) for part in parts)
 
     @classmethod
     def load(cls, path: Path) -> ReadState:
-        """The state saved at ``path``; whatever is not a whole saved read of this version is one line."""
-        from safetensors.torch import load
-
-        path = Path(path)
-        try:
-            raw = path.read_bytes()
-        except OSError as exc:
-            raise KvcliError(f"cannot read {path}: {exc.strerror or exc}") from None
+        """The state saved at ``path``; whatever is not a whole saved read of this version is one line. The file is
+        read once into memory and its tensors are views of it (:func:`kvcli.io.tensorfile.read_tensors`)."""
+        raw = _read(Path(path))
         header = _header(raw, path)
-        if header.get("data_sha256") != hashlib.sha256(_data(raw)).hexdigest():
+        if header.get("data_sha256") != hashlib.sha256(data_of(raw)).hexdigest():
             raise KvcliError(f"{path} is a damaged saved read (its checksum does not match: cut short or altered): "
                              "read the book again")
         try:
-            tensors = load(raw)
+            tensors, _ = read_tensors(raw)
             recall = {name: tensors.pop(name) for name in [n for n in tensors if n.startswith("recall.")]}
             return cls(tensors, dict(header["cache"]), _ids(header["prefix"]), _ids(header["pending"]),
                        _count(header["read_tokens"]), _count(header["document_tokens"]),
@@ -159,14 +154,28 @@ def is_saved_read(source: str) -> bool:
     return source.endswith(SUFFIX) and Path(source).is_file()
 
 
-def _header(raw: bytes, path: Path) -> dict:
-    """The ``kvcli-read`` header of a safetensors file, or one line saying why ``raw`` is not a saved read."""
-    size = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else -1
-    if not 2 <= size <= min(MAX_HEADER, len(raw) - 8):
-        raise KvcliError(f"{path} is not a saved read (not a safetensors file, or cut short): read the book with "
-                         "`kvcli read SOURCE --out FILE.kvc`")
+def _read(path: Path) -> bytearray:
+    """The bytes of ``path`` in one writable buffer (the tensors are views of it), or one line saying why not."""
     try:
-        metadata = json.loads(raw[8:8 + size]).get("__metadata__") or {}
+        with path.open("rb") as stream:
+            raw = bytearray(os.fstat(stream.fileno()).st_size)
+            if stream.readinto(raw) != len(raw):
+                raise OSError("the file changed while it was read")
+    except OSError as exc:
+        raise KvcliError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return raw
+
+
+def _header(raw: bytearray, path: Path) -> dict:
+    """The ``kvcli-read`` header of a safetensors file, or one line saying why ``raw`` is not a saved read."""
+    try:
+        if int.from_bytes(raw[:8], "little") > MAX_HEADER:
+            raise TensorFileError("header too long")
+        metadata = header_of(raw).get("__metadata__") or {}
+    except TensorFileError:
+        raise KvcliError(f"{path} is not a saved read (not a safetensors file, or cut short): read the book with "
+                         "`kvcli read SOURCE --out FILE.kvc`") from None
+    try:
         header = json.loads(metadata.get(FORMAT, "null"))
     except (ValueError, AttributeError, TypeError):
         header = None
@@ -176,24 +185,6 @@ def _header(raw: bytes, path: Path) -> dict:
         raise KvcliError(f"{path} is a saved read of format version {header.get('version')!r}; this kvcli reads "
                          f"version {VERSION}: read the book again")
     return header
-
-
-def _with_metadata(raw: bytes, metadata: dict[str, str]) -> tuple[bytes, memoryview]:
-    """The safetensors file ``raw`` with ``metadata`` in its header, as its two parts: the header rewritten, and the
-    tensor data (which the metadata cannot change, and which may be large: never copied). The header is padded with
-    spaces to a multiple of 8 bytes, as safetensors writes it."""
-    size = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + size])
-    header["__metadata__"] = metadata
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, _data(raw)
-
-
-def _data(raw: bytes) -> memoryview:
-    """The tensor data of a safetensors file: what follows its 8-byte length and its JSON header (a view, not a
-    copy: a saved read of a long book holds hundreds of megabytes of index)."""
-    return memoryview(raw)[8 + int.from_bytes(raw[:8], "little"):]
 
 
 def _ids(value) -> list[int]:
