@@ -1,6 +1,5 @@
-"""Safetensors files written and read without holding their data twice (a saved read of a million tokens holds
-over 3 GB of recall index: joined into one ``bytes`` before writing and loaded as ``bytes`` plus copies, its host
-memory was four times that).
+"""Safetensors files written and read without holding their data twice: a saved read's recall index grows with the
+book (gigabytes at a million tokens), so every copy of it is that much more host memory.
 
 :func:`file_parts` gives a file as its parts, the header and a view of each tensor's bytes, for
 :func:`kvcli.io.outputs.atomic_write` to write one after another; a tensor may be given as a list of chunks along
@@ -37,9 +36,10 @@ def file_parts(tensors: dict[str, torch.Tensor | Sequence[torch.Tensor]], metada
     metadata stored under it gets ``"data_sha256"`` added), so the file carries the checksum of its own data."""
     entries, views, offset = {}, [], 0
     digest = hashlib.sha256()
+    chunked = {name: _chunks(value) for name, value in tensors.items()}
     # The widest elements first, so that every tensor starts at a multiple of its element size.
-    for name in sorted(tensors, key=lambda n: (-_chunks(tensors[n])[0].element_size(), n)):
-        chunks = _chunks(tensors[name])
+    for name in sorted(chunked, key=lambda n: (-chunked[n][0].element_size(), n)):
+        chunks = chunked[name]
         first = chunks[0]
         if any(c.dtype != first.dtype or c.shape[1:] != first.shape[1:] for c in chunks):
             raise ValueError(f"{name}: chunks of different dtypes or shapes")
@@ -79,11 +79,11 @@ def read_tensors(raw: bytearray) -> tuple[dict[str, torch.Tensor], dict[str, str
             begin, end = (int(n) for n in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise TensorFileError(f"tensor {name!r}: {type(exc).__name__} in its header entry") from None
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if min(shape, default=0) < 0 or not 0 <= begin <= end <= len(raw) - data or end - begin != size:
+        count = math.prod(shape)
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= len(raw) - data or \
+                end - begin != count * torch.empty((), dtype=dtype).element_size():
             raise TensorFileError(f"tensor {name!r}: its offsets do not hold its shape")
         spans.append((begin, end))
-        count = size // torch.empty((), dtype=dtype).element_size()
         tensors[name] = (torch.frombuffer(raw, dtype=dtype, count=count, offset=data + begin) if count
                          else torch.empty(0, dtype=dtype)).view(shape)
     spans.sort()
