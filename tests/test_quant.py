@@ -229,17 +229,22 @@ def test_channel_keys_evict_exactly_per_head(bits, rotate):
     assert torch.equal(quant.dense()[:, :, -8:], x[:, :, 22:30])
 
 
-def test_channel_key_cache_bytes_match_the_store():
+@pytest.mark.parametrize("keys", ["channel", "pca"])
+def test_pre_rope_key_cache_bytes_match_the_store(keys):
     model = tiny()
     ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(3))
     for bits in (8, 4, 2):
-        engine = Engine(model, make_method("streamingllm", {}), 96, block=32, kv_bits=bits, kv_keys="channel")
+        engine = Engine(model, make_method("streamingllm", {}), 96, block=32, kv_bits=bits, kv_keys=keys)
         totals = engine.score([ids])
-        expected = cache_bytes(model.config, 96, bits, torch.bfloat16, "channel")
+        expected = cache_bytes(model.config, 96, bits, torch.bfloat16, keys)
         assert totals.kv_cache_bytes == expected
-    assert KVQuant(2).key_mode == "channel" and KVQuant(4).key_mode == "token"
-    assert check_kv_keys("auto") is None and check_kv_keys("channel") == "channel"
-    with pytest.raises(UsageError, match="--kv-keys must be auto, token or channel"):
+
+
+def test_key_modes_by_bits_and_model():
+    assert KVQuant(2).key_mode == "pca" and KVQuant(4).key_mode == "token"
+    assert KVQuant(2, key_norm=True).key_mode == "channel" and KVQuant(2, keys="channel").key_mode == "channel"
+    assert check_kv_keys("auto") is None and check_kv_keys("pca") == "pca"
+    with pytest.raises(UsageError, match="--kv-keys must be auto, token, channel or pca"):
         check_kv_keys("tokens")
 
 
@@ -421,7 +426,7 @@ def test_cli_bad_kv_keys_is_one_line(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        "kvcli: error: --kv-keys must be auto, token or channel (how cached keys are rounded), not chan"]
+        "kvcli: error: --kv-keys must be auto, token, channel or pca (how cached keys are rounded), not chan"]
 
 
 def test_bench_grid_has_kv_bits_as_an_axis_and_old_runs_are_16_bits():
@@ -476,7 +481,10 @@ def test_per_channel_keys_are_rotated_unless_the_model_normalizes_its_keys(famil
     token) are rotated in every model."""
     from test_families import build
 
-    engine = Engine(build(family), make_method("streamingllm", {}), 48, block=16, kv_bits=2)
+    model = build(family)
+    default = Engine(model, make_method("streamingllm", {}), 48, block=16, kv_bits=2).cache_key_mode
+    assert default == ("channel" if normalizes else "pca")  # a normalized key's wide head: axes cost too much
+    engine = Engine(model, make_method("streamingllm", {}), 48, block=16, kv_bits=2, kv_keys="channel")
     cache = engine.new_cache()
     engine.forward(cache, torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(8)))
     layer = cache.layers[-1]  # a layer without a window (Gemma 3's first are windowed, too short to seal)

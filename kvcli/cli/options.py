@@ -66,7 +66,9 @@ KvBitsOpt = Annotated[str, typer.Option("--kv-bits", help="Bits per cached key a
                                         "precision).")]
 KvKeysOpt = Annotated[str, typer.Option("--kv-keys", help="How cached keys are rounded below 16 bits: token "
                                         "(per token in groups of channels), channel (per channel before RoPE, fixed "
-                                        "scales, the first 4 tokens at full precision) or auto (channel at 2 bits, "
+                                        "scales, the first 4 tokens at full precision), pca (before RoPE on each "
+                                        "head's principal axes weighed by its queries, bits spread over the axes) "
+                                        "or auto (pca at 2 bits, channel for a model that normalizes its keys; "
                                         "token at 8 and 4).")]
 DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="Folder of .txt books for the pg19 source "
                                                  "when offline (or set KVCLI_DATA).")]

@@ -15,14 +15,15 @@ from kvcli.kv.cache import KVCache
 from kvcli.methods.base import Method
 
 
-def key_mode(method: Method, kv_bits: int, kv_keys: str | None) -> str | None:
-    """How ``method``'s cache rounds keys at ``kv_bits`` when asked for ``kv_keys``: None at 16 bits; always
-    per token for PoD, which reads its keys rotated from their entry positions (:meth:`PodCache.quantize`)."""
+def key_mode(method: Method, kv_bits: int, kv_keys: str | None, key_norm: bool = False) -> str | None:
+    """How ``method``'s cache rounds keys at ``kv_bits`` when asked for ``kv_keys`` on a model that normalizes its
+    keys or not (``key_norm``): None at 16 bits; always per token for PoD, which reads its keys rotated from their
+    entry positions (:meth:`PodCache.quantize`)."""
     from kvcli.kv.quant import KVQuant
 
     if kv_bits == 16:
         return None
-    return "token" if method.name == "pod" else KVQuant(kv_bits, keys=kv_keys).key_mode
+    return "token" if method.name == "pod" else KVQuant(kv_bits, keys=kv_keys, key_norm=key_norm).key_mode
 
 
 def heads_apart(method: Method, config, budgets: Sequence[int | None] | None, block: int,

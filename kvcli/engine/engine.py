@@ -98,8 +98,9 @@ def budget_for_bytes(method: Method, model: torch.nn.Module, nbytes: int, dtype:
 
     per_token = kv_bytes_per_token(model, dtype)
     states = method.token_states
-    keys = key_mode(method, kv_bits, kv_keys)
-    windows = describe(model).windows
+    architecture = describe(model)
+    keys = key_mode(method, kv_bits, kv_keys, architecture.key_norm)
+    windows = architecture.windows
     fixed = cache_bytes(model.config, 0, kv_bits, dtype, keys, states, windows)  # the window layers' own tokens
     if all(window is not None for window in windows):
         raise UsageError("--cache-bytes governs no layer of this model: every layer keeps its attention window "
@@ -127,7 +128,7 @@ class Engine(BlockScorer):
         self.method = method
         self.block = check_block(block, self.device)
         self.kv_bits = check_kv_bits(kv_bits, "kv_bits")  # bits per cached key and value element (kvcli.kv.quant)
-        self.kv_keys = check_kv_keys(kv_keys, "kv_keys")  # keys rounded per token or channel (None: by bits)
+        self.kv_keys = check_kv_keys(kv_keys, "kv_keys")  # how keys are rounded (None: by bits and model)
         self.budget = check_budget(method, budget)
         self.architecture = describe(model)  # refuses a model whose positions cannot be re-assigned
         self.num_layers = model.config.num_hidden_layers
@@ -146,8 +147,8 @@ class Engine(BlockScorer):
 
     @property
     def cache_key_mode(self) -> str | None:
-        """How the cache rounds keys (``token`` or ``channel``); None at 16 bits."""
-        return key_mode(self.method, self.kv_bits, self.kv_keys)
+        """How the cache rounds keys (``token``, ``channel`` or ``pca``); None at 16 bits."""
+        return key_mode(self.method, self.kv_bits, self.kv_keys, self.architecture.key_norm)
 
     def new_cache(self) -> KVCache:
         """A fresh cache for a run (:mod:`kvcli.engine.cache_factory`), its positions laid out by this engine's

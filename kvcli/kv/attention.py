@@ -279,6 +279,8 @@ def kvcli_attention(
                                         sliding_window=sliding_window, softcap=softcap, sinks=sinks, skip=skip)
     if probs is not None:
         record(layer, probs, recorded, cache.probing, cache.question_scores, skip)
+    if own is None and layer is not None and not cache.probing:  # a layer attending by itself packs no such grid
+        layer.observe(query)  # a 2-bit key grid weighs its axes by the queries (kvcli.kv.basis)
     return output.transpose(1, 2).contiguous(), None
 
 

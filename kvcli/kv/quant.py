@@ -39,13 +39,21 @@ from dataclasses import dataclass
 from kvcli.errors import UsageError
 from kvcli.io.lazy import torch
 from kvcli.kv.architecture import head_shape
+from kvcli.kv.basis import KeyBasis, grid_when_ready, query_weight
 
 #: The bit widths ``--kv-bits`` takes: 16 is the model's own precision (nothing quantized).
 KV_BITS = (16, 8, 4, 2)
-#: How keys are rounded (``--kv-keys``): per token in groups of channels, or per channel with fixed scales.
-KEY_MODES = ("token", "channel")
-#: The key mode each bit width uses unless told (chosen on the tuning books, docs/notes/2026-11-27-low-bit-keys.md).
-DEFAULT_KEYS = {8: "token", 4: "token", 2: "channel"}
+#: How keys are rounded (``--kv-keys``): per token in groups of channels, per channel with fixed scales, or on
+#: fixed principal axes weighed by the queries (:mod:`kvcli.kv.basis`). The last two store keys before RoPE.
+KEY_MODES = ("token", "channel", "pca")
+#: The key modes whose fixed grid is fitted to keys before RoPE (:attr:`kvcli.kv.storage.LayerStorage.pre_rope`).
+PRE_ROPE_MODES = ("channel", "pca")
+#: The key mode each bit width uses unless told (chosen on the tuning books: docs/notes/2026-11-27-low-bit-keys.md,
+#: docs/notes/2026-12-05-keys-on-their-own-axes.md).
+DEFAULT_KEYS = {8: "token", 4: "token", 2: "pca"}
+#: The same for a model that normalizes its keys (Gemma 3): its wide heads (256 channels) make a ``pca`` grid's
+#: axes cost as much as hundreds of 2-bit tokens a layer, and its keys already fit a per-channel grid.
+NORMED_DEFAULT_KEYS = {8: "token", 4: "token", 2: "channel"}
 #: Whether each bit width rotates before rounding (:func:`rotation`; not 8 bits, whose rounding is already fine).
 ROTATE = {8: False, 4: True, 2: True}
 #: Channels per scale/zero group (per token) at each bit width, rotated: a whole head of 64 channels (fewer in a
@@ -79,7 +87,7 @@ def check_kv_keys(mode: str | None, flag: str = "--kv-keys") -> str | None:
     if mode is None or mode == "auto":
         return None
     if mode not in KEY_MODES:
-        raise UsageError(f"{flag} must be auto, token or channel (how cached keys are rounded), not {mode}")
+        raise UsageError(f"{flag} must be auto, token, channel or pca (how cached keys are rounded), not {mode}")
     return mode
 
 
@@ -103,11 +111,11 @@ class KVQuant:
         if self.bits not in (8, 4, 2):
             raise ValueError(f"a quantized cache takes 8, 4 or 2 bits, not {self.bits}")
         if self.keys is not None and self.keys not in KEY_MODES:
-            raise ValueError(f"keys are rounded per token or per channel, not {self.keys!r}")
+            raise ValueError(f"keys are rounded per token, per channel or on axes (pca), not {self.keys!r}")
 
     @property
     def key_mode(self) -> str:
-        return self.keys or DEFAULT_KEYS[self.bits]
+        return self.keys or (NORMED_DEFAULT_KEYS if self.key_norm else DEFAULT_KEYS)[self.bits]
 
     @property
     def rotated(self) -> bool:
@@ -118,14 +126,14 @@ class KVQuant:
         normalizes its keys: each channel of such keys keeps a fixed scale (the norm's weight), which a per-channel
         grid fits as it is and a rotation would blur into every channel (measured on one model of each kind:
         docs/notes/2026-11-29-rotated-2-bit.md)."""
-        return self.rotated and not (mode == "channel" and self.key_norm)
+        return self.rotated and mode != "pca" and not (mode == "channel" and self.key_norm)
 
     @property
     def front(self) -> int:
         """Full-precision first tokens of every store of this cache."""
         if self.sinks is not None:
             return self.sinks
-        return SINKS if self.key_mode == "channel" else 0
+        return SINKS if self.key_mode in PRE_ROPE_MODES else 0
 
     def group_of(self, dim: int) -> int:
         """Channels per group for a head of ``dim`` channels (a divisor of ``dim``)."""
@@ -137,12 +145,15 @@ class KVQuant:
     def token_bytes(self, dim: int, mode: str = "token") -> int:
         """Bytes one sealed token costs per KV head for a ``dim``-channel key or value: payload, and per-token
         scales and zeros when rounded per token (per-channel parameters are paid once per head, :meth:`head_bytes`)."""
-        if mode == "channel":
+        if mode in PRE_ROPE_MODES:
             return packed_width(dim, self.bits)
         return packed_width(dim, self.bits) + 2 * PARAM_BYTES * (dim // self.group_of(dim))
 
     def head_bytes(self, dim: int, mode: str = "token") -> int:
-        """Bytes a store pays once per KV head, whatever it holds: per-channel scales and zero points."""
+        """Bytes a store pays once per KV head, whatever it holds: per-channel scales and zero points, or a ``pca``
+        grid (:class:`~kvcli.kv.basis.KeyBasis`)."""
+        if mode == "pca":  # int8 axes, fp16 spreads, fp32 weights, scales and zeros, uint8 widths
+            return dim * dim + 2 * dim + 3 * CHANNEL_PARAM_BYTES * dim + dim
         return 2 * CHANNEL_PARAM_BYTES * dim if mode == "channel" else 0
 
 
@@ -270,31 +281,26 @@ def rotation(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 class QuantizedTokens:
     """One layer's keys or values ``[1, H, T, D]`` in three parts, in stream order: the first ``front`` tokens
-    of every head at full precision (the attention sinks, with per-channel keys), then the sealed tokens
+    of every head at full precision (the attention sinks, with keys rounded before RoPE), then the sealed tokens
     packed, then the last ``residual`` at full precision.
 
-    ``mode`` ``token``: each sealed token carries its own scale and zero per group of channels (values, and
-    keys by default at 8 and 4 bits). ``channel``: one fp32 scale and zero per head and channel, fixed when
-    the store first seals (from the tokens sealed then) and never changed, so no later eviction or arrival
-    moves another token's grid (KIVI's and KVQuant's key scheme; the caller stores keys before RoPE,
-    where a channel's range is stable, see :class:`kvcli.kv.cache.CompressedLayer`). In a rotated store
-    (:attr:`KVQuant.rotated`) both round the rotated vectors (:func:`rotation`): the channels of a
-    ``channel`` grid are then the rotated channels, whose ranges are as stable as the channels they mix.
-
-    Offers what the cache layers need of a tensor (``shape``, ``dtype``, ``device``) plus :meth:`append`,
-    :meth:`dense`, :meth:`gather` and :meth:`nbytes`.
+    ``mode`` ``token``: each sealed token carries its own scale and zero per group of channels. ``channel``: one
+    fp32 scale and zero per head and channel, fixed when the store first seals and never changed, so no later
+    eviction or arrival moves another token's grid (KIVI's and KVQuant's key scheme, on keys before RoPE, where a
+    channel's range is stable); in a rotated store, the rotated channels. ``pca``: a grid on each head's axes
+    (:class:`~kvcli.kv.basis.KeyBasis`), fixed once the first block's queries have been seen (:meth:`observe`).
+    Offers what the cache layers need of a tensor (``shape``, ``dtype``, ``device``) and :meth:`append`,
+    :meth:`dense`, :meth:`gather`, :meth:`nbytes`.
     """
 
     def __init__(self, like: torch.Tensor, config: KVQuant, mode: str = "token"):
         _, heads, _, dim = like.shape
-        self.config = config
-        self.mode = mode
+        self.config, self.mode = config, mode
         self.bits = config.bits
         self.group = config.group_of(dim)
         self.sinks = config.front
         self.dim = dim
-        self.dtype = like.dtype
-        self.device = like.device
+        self.dtype, self.device = like.dtype, like.device
         width = packed_width(dim, self.bits)
         self.packed = torch.empty((1, heads, 0, width), dtype=torch.uint8, device=self.device)
         params = (1, heads, 0, dim // self.group) if mode == "token" else (1, heads, 0, dim)
@@ -303,6 +309,8 @@ class QuantizedTokens:
         self.front = like.new_empty((1, heads, 0, dim))
         self.tail = like.new_empty((1, heads, 0, dim))
         self.rotation = rotation(dim, self.device) if config.rotates(mode) else None
+        self.grid: KeyBasis | None = None  # mode pca: the axes, fixed at the first seal
+        self.queries, self.observed = None, 0  # mode pca, until the grid is fixed: the queries' weights, blocks seen
 
     # --- what the cache reads of a tensor ------------------------------------------------------
     @property
@@ -329,7 +337,10 @@ class QuantizedTokens:
             self.front = torch.cat((self.front, self.tail[:, :, :take]), dim=2)
             self.tail = self.tail[:, :, take:]
         count = self.tail.shape[2] - self.config.residual
-        if count <= 0:
+        if count > 0 and self.mode == "pca" and self.grid is None:
+            self.grid = grid_when_ready(self.tail[:, :, :count], self.queries, self.observed, self.bits)
+            self.queries = None if self.grid is not None else self.queries  # weighed into the grid
+        if count <= 0 or (self.mode == "pca" and self.grid is None):
             return
         rows = self.tail[:, :, :count]
         if self.rotation is not None:
@@ -338,6 +349,8 @@ class QuantizedTokens:
             packed, scale, zero = quantize(rows, self.bits, self.group)
             self.scale = torch.cat((self.scale, scale), dim=2)
             self.zero = torch.cat((self.zero, zero), dim=2)
+        elif self.mode == "pca":
+            packed = self.grid.encode(rows)
         else:
             if self.scale.shape[2] == 0:  # the grid is fixed by the first tokens sealed
                 self.scale, self.zero = channel_params(rows, self.bits)
@@ -345,7 +358,19 @@ class QuantizedTokens:
         self.packed = torch.cat((self.packed, packed), dim=2)
         self.tail = self.tail[:, :, count:].clone()  # a view would keep the sealed rows' memory alive
 
+    def observe(self, query: torch.Tensor) -> None:
+        """The queries ``[1, H_q, n, D]`` of a block that attended these keys: a ``pca`` store weighs its axes by
+        them (:func:`~kvcli.kv.basis.query_weight`) until its grid is fixed, then seals what waited."""
+        if self.mode != "pca" or self.grid is not None:
+            return
+        weight = query_weight(query, self.tail.shape[1])
+        self.queries = weight if self.queries is None else (self.queries * self.observed + weight) / (self.observed + 1)
+        self.observed += 1
+        self._seal()  # what waited for the grid
+
     def _unseal(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        if self.mode == "pca":
+            return self.grid.decode(packed, self.dtype)
         dtype = self.dtype if self.rotation is None else torch.float32
         if self.mode == "token":
             x = dequantize(packed, scale, zero, self.bits, self.dim, dtype)
@@ -360,23 +385,19 @@ class QuantizedTokens:
         parts = (self.front, self._unseal(self.packed, self.scale, self.zero), self.tail)
         return torch.cat(parts if self.front.shape[2] else parts[1:], dim=2)
 
-    def _rows(self, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Rows of ``t`` ``[1, H, n, ...]`` at ``idx`` ``[H, k]``."""
-        return t.gather(2, idx[None, :, :, None].expand(1, idx.shape[0], idx.shape[1], t.shape[-1]))
-
     def _full_rows(self, idx: torch.Tensor) -> torch.Tensor:
         """Tokens at ``idx`` ``[H, k]`` (store order) at full precision, whichever part holds them."""
         front, sealed = self.front.shape[2], self.sealed
         out = self.tail.new_zeros((1, idx.shape[0], idx.shape[1], self.dim))
         if self.tail.shape[2]:
-            out = self._rows(self.tail, (idx - front - sealed).clamp(min=0))
+            out = _rows(self.tail, (idx - front - sealed).clamp(min=0))
         if sealed:
             at = (idx - front).clamp(0, sealed - 1)
-            params = (self._rows(self.scale, at), self._rows(self.zero, at)) if self.mode == "token" else (None, None)
-            unsealed = self._unseal(self._rows(self.packed, at), *params)
+            params = (_rows(self.scale, at), _rows(self.zero, at)) if self.mode == "token" else (None, None)
+            unsealed = self._unseal(_rows(self.packed, at), *params)
             out = torch.where((idx < front + sealed)[None, :, :, None], unsealed, out)
         if front:
-            out = torch.where((idx < front)[None, :, :, None], self._rows(self.front, idx.clamp(max=front - 1)), out)
+            out = torch.where((idx < front)[None, :, :, None], _rows(self.front, idx.clamp(max=front - 1)), out)
         return out
 
     def gather(self, indices: torch.Tensor) -> None:
@@ -396,18 +417,23 @@ class QuantizedTokens:
         sealed_kept = int(in_packed.sum(dim=1).min()) if sealed and heads and rest.shape[1] else 0
         head = rest[:, :sealed_kept] - front
         new_tail = self._full_rows(rest[:, sealed_kept:])
-        self.packed = self._rows(self.packed, head)
+        self.packed = _rows(self.packed, head)
         if self.mode == "token":
-            self.scale = self._rows(self.scale, head)
-            self.zero = self._rows(self.zero, head)
-        self.front = new_front
-        self.tail = new_tail
+            self.scale = _rows(self.scale, head)
+            self.zero = _rows(self.zero, head)
+        self.front, self.tail = new_front, new_tail
         self._seal()
 
     def nbytes(self) -> int:
-        """Bytes held: packed integers, scales, zero points, the full-precision front and residual."""
-        parts = (self.packed, self.scale, self.zero, self.front, self.tail)
-        return sum(t.numel() * t.element_size() for t in parts)
+        """Bytes held: packed integers, scales, zeros, the exact front and residual, a grid or its queries' weights."""
+        waiting = [] if self.queries is None else [self.queries]
+        parts = (self.packed, self.scale, self.zero, self.front, self.tail, *waiting)
+        return sum(t.numel() * t.element_size() for t in parts) + (self.grid.nbytes() if self.grid else 0)
+
+
+def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows of ``t`` ``[1, H, n, ...]`` at ``idx`` ``[H, k]``."""
+    return t.gather(2, idx[None, :, :, None].expand(1, idx.shape[0], idx.shape[1], t.shape[-1]))
 
 
 def stored(x: torch.Tensor | QuantizedTokens) -> torch.Tensor:
@@ -486,7 +512,7 @@ def bookkeeping_bytes(states: int = 0, key_mode: str = "token") -> int:
     per-token values of the method (:attr:`kvcli.methods.base.ScoredMethod.state_names`). Keys rounded per channel
     (``key_mode`` "channel") are stored before RoPE and rotated from 0 wherever they sit, so their layers keep no
     entry position (:attr:`kvcli.kv.cache.CompressedLayer.entry_pos`)."""
-    entry = 0 if key_mode == "channel" else ENTRY_BYTES
+    entry = 0 if key_mode in PRE_ROPE_MODES else ENTRY_BYTES
     return entry + INDEX_BYTES + STATE_BYTES * states
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcli.kv.basis import KeyBasis
 from kvcli.kv.quant import QuantizedTokens, rotation
 
 __all__ = ["SnapshotError", "restore_cache", "snapshot_cache"]
@@ -83,10 +84,13 @@ def _encode(value, name: str, tensors: dict[str, torch.Tensor]):
         tensors[name] = value.detach().to("cpu").contiguous()
         return {"tensor": name}
     if isinstance(value, QuantizedTokens):
-        for part in _PACKED_TENSORS:
-            tensors[f"{name}.{part}"] = getattr(value, part).detach().to("cpu").contiguous()
+        extra = {**({f"grid.{part}": t for part, t in value.grid.tensors().items()} if value.grid else {}),
+                 **({"queries": value.queries} if value.queries is not None else {})}
+        for part, tensor in [*((part, getattr(value, part)) for part in _PACKED_TENSORS), *extra.items()]:
+            tensors[f"{name}.{part}"] = tensor.detach().to("cpu").contiguous()
         return {"packed": name, **{fact: getattr(value, fact) for fact in _PACKED_FACTS},
-                "rotated": value.rotation is not None, "dtype": str(value.dtype)}
+                "rotated": value.rotation is not None, "dtype": str(value.dtype), "grid": value.grid is not None,
+                "observed": value.observed}
     if isinstance(value, torch.dtype):
         return {"dtype": str(value)}
     if isinstance(value, torch.device):
@@ -151,7 +155,29 @@ def _packed(fact: dict, name: str, tensors: dict[str, torch.Tensor], cache, devi
     store.dtype, store.device = _dtype(fact["dtype"], name), device
     for part in _PACKED_TENSORS:
         setattr(store, part, _tensor(tensors, f"{name}.{part}", f"{name}.{part}").to(device, copy=True))
+    store.grid, store.queries, store.observed = _grid(fact, name, tensors, store, device)
     return store
+
+
+def _grid(fact: dict, name: str, tensors: dict[str, torch.Tensor], store: QuantizedTokens, device: torch.device
+          ) -> tuple[KeyBasis | None, torch.Tensor | None, int]:
+    """A ``pca`` store's fixed grid, or the queries it has weighed so far and how many blocks of them."""
+    heads = store.tail.shape[1]
+    if fact.get("grid") is True:
+        if store.mode != "pca":
+            raise SnapshotError(f"{name} holds a key grid but rounds {store.mode!r}")
+        parts = {part: _tensor(tensors, f"{name}.grid.{part}", f"{name}.grid.{part}") for part in KeyBasis.PARTS}
+        try:
+            grid = KeyBasis.from_tensors(parts, heads, store.dim, store.bits)
+        except ValueError as exc:
+            raise SnapshotError(f"{name}: {exc}") from None
+        return KeyBasis(**{part: t.to(device, copy=True) for part, t in grid.tensors().items()}), None, 0
+    if store.mode == "pca" and store.sealed:
+        raise SnapshotError(f"{name} holds keys rounded on axes but not the axes")
+    queries = tensors.get(f"{name}.queries")
+    if queries is not None and (queries.dtype != torch.float32 or tuple(queries.shape) != (1, heads, 1, store.dim)):
+        raise SnapshotError(f"{name}: its queries do not fit its keys")
+    return None, None if queries is None else queries.to(device, copy=True), _int(fact.get("observed", 0))
 
 
 def _int(value) -> int:

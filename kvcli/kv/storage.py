@@ -14,7 +14,7 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvcli.kv.quant import QuantizedTokens, gather_tokens, nbytes
+from kvcli.kv.quant import PRE_ROPE_MODES, QuantizedTokens, gather_tokens, nbytes
 
 
 class LayerStorage(CacheLayerMixin):
@@ -71,7 +71,7 @@ class LayerStorage(CacheLayerMixin):
         """Whether the cached keys are stored un-rotated (position 0), as per-channel rounding needs: a
         channel's range before RoPE is stable across tokens, after it every pair spins with the position.
         Reading them then rotates each key once, from 0 to its current position."""
-        return isinstance(self.keys, QuantizedTokens) and self.keys.mode == "channel"
+        return isinstance(self.keys, QuantizedTokens) and self.keys.mode in PRE_ROPE_MODES
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, keys: torch.Tensor | None,
                values: torch.Tensor) -> None:
@@ -86,6 +86,12 @@ class LayerStorage(CacheLayerMixin):
         else:
             self.keys = keys if keys is not None else torch.cat((self.keys, key_states), dim=-2)
             self.values = values
+
+    def observe(self, query: torch.Tensor) -> None:
+        """The queries ``[1, H_q, n, D]`` that attended this layer's keys: a packed store that weighs its grid by
+        them (``--kv-keys pca``) takes them; nothing else does."""
+        if isinstance(self.keys, QuantizedTokens):
+            self.keys.observe(query)
 
     def gather(self, indices: torch.Tensor) -> None:
         """Keep, per KV head, the keys and values of the tokens at ``indices`` ``[H, k]``."""
