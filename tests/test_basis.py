@@ -60,6 +60,16 @@ def test_round_trip_packs_bits_times_channels_and_rounds_once():
     assert int(grid.width.sum()) == 2 * 16 * 2
 
 
+def test_bits_are_packed_axis_after_axis_lowest_first():
+    keys, queries = keys_and_queries()
+    grid = KeyBasis.calibrate(keys[:, :, :200], query_weight(queries, 2), 2)
+    axis, shift = grid._layout()
+    for head in range(2):
+        widths = grid.width[0, head, 0].tolist()
+        assert axis[0, head, 0].tolist() == [c for c, w in enumerate(widths) for _ in range(w)]
+        assert shift[0, head, 0].tolist() == [j for w in widths for j in range(w)]
+
+
 def test_axes_beat_a_channel_grid_on_the_logits():
     """What the axes are for: a smaller error in ``q . k`` than a per-channel grid of the same bits (2 a channel)."""
     keys, queries = keys_and_queries()

@@ -87,6 +87,7 @@ class KeyBasis:
     width: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    bits: int  # per channel on average: a token's ``bits * D`` bits fill the widths
 
     @classmethod
     def calibrate(cls, rows: torch.Tensor, weight: torch.Tensor | None, bits: int) -> KeyBasis:
@@ -95,7 +96,7 @@ class KeyBasis:
         _, heads, _, dim = rows.shape
         x = rows.float()
         w = torch.ones((1, heads, 1, dim), device=x.device) if weight is None else weight.float()
-        root = w.clamp_min(float(w.max()) * 1e-8 + 1e-30).sqrt()
+        root = w.clamp_min(w.amax(dim=-1, keepdim=True) * 1e-8 + 1e-30).sqrt()
         scaled = x * root
         centred = scaled - scaled.mean(dim=2, keepdim=True)
         covariance = centred[0].transpose(1, 2) @ centred[0] / max(x.shape[2], 1)
@@ -103,7 +104,7 @@ class KeyBasis:
         spread = axes.abs().amax(dim=1, keepdim=True).float().to(torch.float16)[None]  # [1, H, 1, D]
         basis = (axes.float()[None] * 127 / spread.float()).round_().clamp_(-127, 127).to(torch.int8)
         width = allocate(variance.clamp_min(0).float(), bits * dim)[None, :, None, :]
-        grid = cls(basis, spread, root, width, torch.ones_like(root), torch.zeros_like(root))
+        grid = cls(basis, spread, root, width, torch.ones_like(root), torch.zeros_like(root), bits)
         grid.scale, grid.zero = _grids(scaled @ grid.axes(), width)
         return grid
 
@@ -132,10 +133,10 @@ class KeyBasis:
         """Which axis ``[1, H, 1, bits]`` each packed bit belongs to, and its place in that axis's integer."""
         width = self.width[0, :, 0].long()  # [H, D]
         heads, dim = width.shape
-        axis = torch.repeat_interleave(torch.arange(dim, device=width.device).expand(heads, dim).reshape(-1),
-                                       width.reshape(-1)).view(heads, -1)
-        start = torch.cumsum(width, dim=1) - width
-        shift = torch.arange(axis.shape[1], device=width.device)[None] - start.gather(1, axis)
+        end = torch.cumsum(width, dim=1)  # searched, not repeated: a fixed shape needs no wait for the device
+        place = torch.arange(self.bits * dim, device=width.device).expand(heads, -1).contiguous()
+        axis = torch.searchsorted(end, place, right=True)
+        shift = place - (end - width).gather(1, axis)
         return axis[None, :, None, :], shift[None, :, None, :].to(torch.int32)
 
     def _powers(self) -> torch.Tensor:
@@ -164,7 +165,7 @@ class KeyBasis:
         width = tensors["width"]
         if bool((width > MAX_WIDTH).any()) or bool((width.sum(dim=3, dtype=torch.int64) != bits * dim).any()):
             raise ValueError(f"the key grid's widths do not fill {bits * dim} bits a head")
-        return cls(**{name: tensors[name] for name in shapes})
+        return cls(**{name: tensors[name] for name in shapes}, bits=bits)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {part: getattr(self, part) for part in self.PARTS}

@@ -171,7 +171,8 @@ def _grid(fact: dict, name: str, tensors: dict[str, torch.Tensor], store: Quanti
             grid = KeyBasis.from_tensors(parts, heads, store.dim, store.bits)
         except ValueError as exc:
             raise SnapshotError(f"{name}: {exc}") from None
-        return KeyBasis(**{part: t.to(device, copy=True) for part, t in grid.tensors().items()}), None, 0
+        moved = {part: t.to(device, copy=True) for part, t in grid.tensors().items()}
+        return KeyBasis(**moved, bits=grid.bits), None, 0
     if store.mode == "pca" and store.sealed:
         raise SnapshotError(f"{name} holds keys rounded on axes but not the axes")
     queries = tensors.get(f"{name}.queries")
