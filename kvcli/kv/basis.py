@@ -21,6 +21,7 @@ dtype's rounding. The measurements behind it are in docs/notes/2026-12-05-keys-o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,7 +32,8 @@ MAX_WIDTH = 8
 #: Share of an axis's calibration values its grid leaves outside at each end, at 1 or 2 bits (a quarter of it from
 #: 3 bits on, whose finer grid makes clamping dearer than a wider step).
 CLIP = 0.02
-#: Fewest keys a head calibrates on: a basis of 64 axes from fewer is mostly noise (:meth:`KeyBasis.ready`).
+#: Fewest keys a head calibrates on unless a second block has come (:func:`grid_when_ready`): axes need more keys
+#: than a head has channels to be more than noise.
 MIN_ROWS = 128
 
 
@@ -73,8 +75,8 @@ def grid_when_ready(rows: torch.Tensor, queries: torch.Tensor | None, observed: 
 @dataclass
 class KeyBasis:
     """One store's fixed grid: per head the axes ``basis`` ``[1, H, D, D]`` (int8, columns, each times 127 over its
-    largest entry ``spread`` ``[1, H, 1, D]``, fp16: half the bytes of fp16 axes, whose rounding error, about 1 %
-    of a key, is far below 2 bits'), the channel weights' square roots ``weight`` ``[1, H, 1, D]``, and per axis
+    largest entry ``spread`` ``[1, H, 1, D]``, fp16: half the bytes of fp16 axes, rounded far finer than the 2-bit
+    grid on them), the channel weights' square roots ``weight`` ``[1, H, 1, D]``, and per axis
     its bits ``width``, grid ``scale`` and ``zero`` (``[1, H, 1, D]``; an axis of no bits reads as its ``zero``,
     the calibration mean). Encoding and decoding use the same rounded axes."""
 
@@ -154,10 +156,7 @@ class KeyBasis:
         """The grid whose :meth:`tensors` these are, for ``heads`` heads of ``dim`` channels at ``bits`` bits on
         average; a ValueError unless every tensor has the shape and dtype such a grid has and the widths fill
         ``bits * dim`` bits a head (a crafted file must not make :meth:`decode` read out of place)."""
-        row = (1, heads, 1, dim)
-        shapes = {"basis": ((1, heads, dim, dim), torch.int8), "spread": (row, torch.float16),
-                  "weight": (row, torch.float32), "width": (row, torch.uint8), "scale": (row, torch.float32),
-                  "zero": (row, torch.float32)}
+        shapes = _parts(heads, dim)
         for name, (shape, dtype) in shapes.items():
             value = tensors.get(name)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
@@ -171,12 +170,25 @@ class KeyBasis:
         return {part: getattr(self, part) for part in self.PARTS}
 
 
+def _parts(heads: int, dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each tensor of a grid of ``heads`` heads of ``dim`` channels (:attr:`KeyBasis.PARTS`)."""
+    row = (1, heads, 1, dim)
+    return {"basis": ((1, heads, dim, dim), torch.int8), "spread": (row, torch.float16), "weight": (row, torch.float32),
+            "width": (row, torch.uint8), "scale": (row, torch.float32), "zero": (row, torch.float32)}
+
+
+def grid_bytes(dim: int) -> int:
+    """Bytes one head's grid holds for keys of ``dim`` channels, whatever it calibrated on."""
+    parts = _parts(1, dim).values()
+    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in parts)
+
+
 def _grids(y: torch.Tensor, width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-axis fp32 step and low end ``[1, H, 1, D]`` of values ``y`` ``[1, H, n, D]`` at ``width`` bits: the
     :data:`CLIP` quantiles at 1 or 2 bits, a quarter of it from 3 bits on; an axis of 0 bits is its mean."""
     wide = width > 2
-    low = torch.where(wide, y.quantile(CLIP / 4, dim=2, keepdim=True), y.quantile(CLIP, dim=2, keepdim=True))
-    high = torch.where(wide, y.quantile(1 - CLIP / 4, dim=2, keepdim=True), y.quantile(1 - CLIP, dim=2, keepdim=True))
+    ends = y.quantile(torch.tensor([CLIP / 4, CLIP, 1 - CLIP, 1 - CLIP / 4], device=y.device), dim=2, keepdim=True)
+    low, high = torch.where(wide, ends[0], ends[1]), torch.where(wide, ends[3], ends[2])
     levels = ((1 << width.to(torch.int32)) - 1).float()
     none = width == 0
     scale = torch.where(none, torch.ones_like(low), ((high - low) / levels.clamp_min(1)).clamp_min(1e-6))

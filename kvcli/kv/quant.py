@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from kvcli.errors import UsageError
 from kvcli.io.lazy import torch
 from kvcli.kv.architecture import head_shape
-from kvcli.kv.basis import KeyBasis, grid_when_ready, query_weight
+from kvcli.kv.basis import KeyBasis, grid_bytes, grid_when_ready, query_weight
 
 #: The bit widths ``--kv-bits`` takes: 16 is the model's own precision (nothing quantized).
 KV_BITS = (16, 8, 4, 2)
@@ -51,8 +51,8 @@ PRE_ROPE_MODES = ("channel", "pca")
 #: The key mode each bit width uses unless told (chosen on the tuning books: docs/notes/2026-11-27-low-bit-keys.md,
 #: docs/notes/2026-12-05-keys-on-their-own-axes.md).
 DEFAULT_KEYS = {8: "token", 4: "token", 2: "pca"}
-#: The same for a model that normalizes its keys (Gemma 3): its wide heads (256 channels) make a ``pca`` grid's
-#: axes cost as much as hundreds of 2-bit tokens a layer, and its keys already fit a per-channel grid.
+#: The same for a model that normalizes its keys (Gemma 3): a ``pca`` grid's axes cost a head ``D x D`` bytes, dear
+#: in such models' wide heads, and their normalized keys already fit a per-channel grid.
 NORMED_DEFAULT_KEYS = {8: "token", 4: "token", 2: "channel"}
 #: Whether each bit width rotates before rounding (:func:`rotation`; not 8 bits, whose rounding is already fine).
 ROTATE = {8: False, 4: True, 2: True}
@@ -152,8 +152,8 @@ class KVQuant:
     def head_bytes(self, dim: int, mode: str = "token") -> int:
         """Bytes a store pays once per KV head, whatever it holds: per-channel scales and zero points, or a ``pca``
         grid (:class:`~kvcli.kv.basis.KeyBasis`)."""
-        if mode == "pca":  # int8 axes, fp16 spreads, fp32 weights, scales and zeros, uint8 widths
-            return dim * dim + 2 * dim + 3 * CHANNEL_PARAM_BYTES * dim + dim
+        if mode == "pca":
+            return grid_bytes(dim)
         return 2 * CHANNEL_PARAM_BYTES * dim if mode == "channel" else 0
 
 

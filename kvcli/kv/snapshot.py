@@ -166,13 +166,12 @@ def _grid(fact: dict, name: str, tensors: dict[str, torch.Tensor], store: Quanti
     if fact.get("grid") is True:
         if store.mode != "pca":
             raise SnapshotError(f"{name} holds a key grid but rounds {store.mode!r}")
-        parts = {part: _tensor(tensors, f"{name}.grid.{part}", f"{name}.grid.{part}") for part in KeyBasis.PARTS}
+        parts = {part: _tensor(tensors, f"{name}.grid.{part}", f"{name}.grid.{part}").to(device, copy=True)
+                 for part in KeyBasis.PARTS}
         try:
-            grid = KeyBasis.from_tensors(parts, heads, store.dim, store.bits)
+            return KeyBasis.from_tensors(parts, heads, store.dim, store.bits), None, 0
         except ValueError as exc:
             raise SnapshotError(f"{name}: {exc}") from None
-        moved = {part: t.to(device, copy=True) for part, t in grid.tensors().items()}
-        return KeyBasis(**moved, bits=grid.bits), None, 0
     if store.mode == "pca" and store.sealed:
         raise SnapshotError(f"{name} holds keys rounded on axes but not the axes")
     queries = tensors.get(f"{name}.queries")
