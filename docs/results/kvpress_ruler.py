@@ -160,13 +160,26 @@ def trial(pipe, sample: dict, press_name: str, ratio: float, options: dict) -> d
     answer = pipe(sample["context"], question=sample["question"], answer_prefix=sample["answer_prefix"],
                   press=press, max_new_tokens=sample["answer_tokens"], cache=cache)["answer"].strip()
     seconds = time.perf_counter() - started
-    kept = [layer.keys.shape[2] for layer in cache.layers]  # the pipeline cut the answer off: the context kept
+    kept = kept_tokens(pipe, cache)
     return {"task": sample["task"], "length": sample["length"], "index": sample["index"],
             "method": f"kvpress:{press_name}", "ratio": ratio, "outputs": sample["outputs"], "answer": answer,
             "score": recall(answer, sample["outputs"]),
             "prompt_tokens": ids["context_ids"].shape[1] + ids["questions_ids"][0].shape[1],
             "context_tokens": ids["context_ids"].shape[1], "question_tokens": ids["questions_ids"][0].shape[1],
             "kept_tokens": round(sum(kept) / len(kept)), "seconds": seconds, "peak_rss_bytes": peak_memory_bytes(cpu)}
+
+
+def kept_tokens(pipe, cache) -> list[float]:
+    """Tokens each layer keeps of the context, on average over its KV heads. The pipeline cut the answer off the
+    cache, so its length is the context kept; a press that masks instead of dropping (KVzip, AdaKV: kvpress's
+    ``masked_key_indices``, read by its attention patch) keeps its masked entries in the cache, and they are not
+    counted as kept."""
+    out = []
+    for layer, block in zip(cache.layers, pipe.model.model.layers, strict=True):
+        batch, heads, length = layer.keys.shape[:3]
+        masked = getattr(block.self_attn, "masked_key_indices", None)
+        out.append(length - (len(masked[0]) / (batch * heads) if masked is not None else 0))
+    return out
 
 
 def own_mask_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
