@@ -6,6 +6,8 @@ Rows: `kvcli ruler --rows` (kvcli's methods) and `docs/results/kvpress_ruler.py 
 (task, length, index). Only the samples both files hold count, so every column averages the same samples. A
 cell is the mean score in percent; the average row adds the 95% Wilson interval over all trials of the column.
 ``FILE=LABEL`` adds LABEL to the names of that file's columns (the same method at two commits, side by side).
+``--length 16k`` keeps the rows of one length (a file of ``--lengths 4k,16k`` holds both); ``--summary`` prints
+one line a column (average, interval, trials) instead of the per-task table.
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="RULER rows of kvcli and kvpress as one markdown table.")
     parser.add_argument("rows", nargs="+", help="files of `kvcli ruler --rows` or `kvpress_ruler.py --out` rows "
                         "(FILE=LABEL adds LABEL to that file's columns)")
-    rows = [row for path in parser.parse_args().rows for row in load(path)]
+    parser.add_argument("--length", help="only the rows of this length (4096 or 4k)")
+    parser.add_argument("--summary", action="store_true", help="one line a column: average, interval, trials")
+    args = parser.parse_args()
+    rows = [row for path in args.rows for row in load(path)]
+    if args.length:
+        length = int(args.length[:-1]) * 1024 if args.length.lower().endswith("k") else int(args.length)
+        rows = [row for row in rows if row["length"] == length]
     if not rows:
         sys.exit("ruler_table: no trial rows in these files")
     cells: dict[str, dict[tuple, float]] = defaultdict(dict)
@@ -48,6 +56,11 @@ def main() -> None:
     columns = sorted(cells, key=lambda c: (c != "full", c.split()[1] if " " in c else "", c.split()[0], order[c]))
     tasks = sorted({task for task, _, _ in shared}, key=lambda t: (t.startswith("niah") is False, t))
     print(f"{len(shared)} samples ({len(tasks)} tasks) read by every column\n")
+    if args.summary:
+        print("| column | average (95% CI) | trials |\n| --- | ---: | ---: |")
+        for column, average in zip(columns, map(cells.get, columns), strict=True):
+            print(f"| {column} | {mean_interval(list(average.values()))} | {len(average)} |")
+        return
     print("| task | " + " | ".join(columns) + " |")
     print("| --- |" + " ---: |" * len(columns))
     for task in tasks:
@@ -56,12 +69,14 @@ def main() -> None:
             scores = [v for (t, _, _), v in cells[column].items() if t == task]
             means.append(f"{100 * sum(scores) / len(scores):.0f}" if scores else "-")
         print(f"| {task} | " + " | ".join(means) + " |")
-    averages = []
-    for column in columns:
-        scores = list(cells[column].values())
-        low, high = wilson_interval(sum(scores), len(scores))  # type: ignore[arg-type] - partial successes
-        averages.append(f"**{100 * sum(scores) / len(scores):.1f}** ({100 * low:.0f}-{100 * high:.0f})")
+    averages = [mean_interval(list(cells[column].values())) for column in columns]
     print("| average (95% CI) | " + " | ".join(averages) + " |")
+
+
+def mean_interval(scores: list[float]) -> str:
+    """The mean score in percent, bold, and its 95% Wilson interval over the trials."""
+    low, high = wilson_interval(sum(scores), len(scores))  # type: ignore[arg-type] - partial successes
+    return f"**{100 * sum(scores) / len(scores):.1f}** ({100 * low:.0f}-{100 * high:.0f})"
 
 
 if __name__ == "__main__":
