@@ -345,3 +345,26 @@ def test_the_table_script_puts_one_method_at_two_commits_side_by_side(tmp_path):
                           rows("new.jsonl", [1.0, 1.0]) + "=after"], capture_output=True, text=True, check=True).stdout
     assert "| task | snapkv 0.5 before | snapkv 0.5 after |" in out
     assert "| vt | 50 | 100 |" in out
+
+
+def test_the_table_script_keeps_one_length_and_summarises_a_column_a_line(tmp_path):
+    """``--length`` keeps one length's rows of a file that holds two; ``--summary`` prints a column's average, its
+    interval and its trials on one line."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"task": "vt", "length": length, "index": i, "method": "treekv", "ratio": None,
+                                        "cache": 1024, "score": score}) + "\n"
+                            for length, scores in ((4096, [1.0, 1.0]), (16384, [0.0, 1.0]))
+                            for i, score in enumerate(scores)))
+    script = Path(__file__).parent.parent / "docs" / "results" / "ruler_table.py"
+
+    def table(*options: str) -> str:
+        return subprocess.run([sys.executable, str(script), str(path), *options], capture_output=True, text=True,
+                              check=True).stdout
+
+    assert "| vt | 50 |" in table("--length", "16k") and "| vt | 100 |" in table("--length", "4096")
+    assert "| vt | 75 |" in table()  # both lengths
+    assert "| treekv cache 1024 | **50.0** (" in table("--length", "16k", "--summary")
+    assert "| 2 |" in table("--length", "16k", "--summary")
