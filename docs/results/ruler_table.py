@@ -18,6 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from kvcli.cli.ruler import ruler_length
 from kvcli.eval.needle import wilson_interval
 
 
@@ -35,13 +36,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="RULER rows of kvcli and kvpress as one markdown table.")
     parser.add_argument("rows", nargs="+", help="files of `kvcli ruler --rows` or `kvpress_ruler.py --out` rows "
                         "(FILE=LABEL adds LABEL to that file's columns)")
-    parser.add_argument("--length", help="only the rows of this length (4096 or 4k)")
+    parser.add_argument("--length", type=ruler_length, help="only the rows of this length (4096 or 4k)")
     parser.add_argument("--summary", action="store_true", help="one line a column: average, interval, trials")
     args = parser.parse_args()
     rows = [row for path in args.rows for row in load(path)]
     if args.length:
-        length = int(args.length[:-1]) * 1024 if args.length.lower().endswith("k") else int(args.length)
-        rows = [row for row in rows if row["length"] == length]
+        rows = [row for row in rows if row["length"] == args.length]
     if not rows:
         sys.exit("ruler_table: no trial rows in these files")
     cells: dict[str, dict[tuple, float]] = defaultdict(dict)
@@ -58,8 +58,8 @@ def main() -> None:
     print(f"{len(shared)} samples ({len(tasks)} tasks) read by every column\n")
     if args.summary:
         print("| column | average (95% CI) | trials |\n| --- | ---: | ---: |")
-        for column, average in zip(columns, map(cells.get, columns), strict=True):
-            print(f"| {column} | {mean_interval(list(average.values()))} | {len(average)} |")
+        for column in columns:
+            print(f"| {column} | {mean_interval(list(cells[column].values()))} | {len(cells[column])} |")
         return
     print("| task | " + " | ".join(columns) + " |")
     print("| --- |" + " ---: |" * len(columns))
