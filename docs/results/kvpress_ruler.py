@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the kvcli source
 
 #: Presses that leave layers of different lengths. transformers builds one attention mask for every layer from
 #: layer 0's cache length (huggingface/transformers#35168), so the question's forward after such a press fails
-#: under SDPA's mask on a CPU (kvpress needs flash attention for them). They run with :func:`own_mask_attention`.
+#: under SDPA's mask on a CPU (kvpress needs flash attention for them). They run with :func:`own_mask_attention`,
+#: as every press does on a model with sliding-window layers (Gemma 3), whose windowed layers are not compressed.
 UNEVEN_PRESSES = ("PyramidKVPress",)
 PRESSES = ("SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "TOVAPress", "ExpectedAttentionPress", "KVzipPress")
 FIELDS = ("task", "length", "index", "context", "question", "answer_prefix", "outputs", "answer_tokens")
@@ -89,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ratios", default="0.5,0.75,0.875", help="kvpress's compression_ratio values (0: the "
                         "pipeline's prefill uncompressed, its full attention)")
     parser.add_argument("--press-option", action="append", default=[], metavar="PRESS.KEY=VALUE")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' and activations' dtype: the one kvcli's run used (`kvcli ruler --dtype`)")
     args = parser.parse_args(argv)
     args.presses = [name.strip() for name in args.presses.split(",") if name.strip()]
     for name in args.presses:
@@ -106,8 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load(model_dir: Path):
-    """kvpress's pipeline on the weights and tokenizer of ``model_dir``, float32 on the CPU, no network."""
+def load(model_dir: Path, dtype: str):
+    """kvpress's pipeline on the weights and tokenizer of ``model_dir`` in ``dtype``, on the CPU, no network."""
     import kvpress  # noqa: F401 - registers the "kv-press-text-generation" pipeline
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -115,7 +118,7 @@ def load(model_dir: Path):
 
     logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=getattr(torch, dtype))
     model.eval()
     return pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
 
@@ -137,7 +140,8 @@ def run_identity(args: argparse.Namespace, pipe, samples: list[dict]) -> dict:
             "model_dir": args.model_dir.name, "weights_bytes": weights.stat().st_size if weights.exists() else None,
             "chat_template_sha256": digest, "book_sha256": samples[0].get("book_sha256"),
             "kvpress": getattr(kvpress, "__version__", "0.5.5"), "transformers": transformers.__version__,
-            "torch": torch.__version__, "options": args.options}
+            "torch": torch.__version__, "options": args.options,
+            **({"dtype": args.dtype} if args.dtype != "float32" else {})}
 
 
 def trial(pipe, sample: dict, press_name: str, ratio: float, options: dict) -> dict:
@@ -151,6 +155,8 @@ def trial(pipe, sample: dict, press_name: str, ratio: float, options: dict) -> d
 
     # ratio 0 is the pipeline's plain prefill (no press at all), the same read whichever press is named
     press = getattr(kvpress, press_name)(compression_ratio=ratio, **options) if ratio > 0 else None
+    if press is not None and windowed_layers(pipe):
+        press.forward_hook = skipping_windowed_layers(press.forward_hook)
     attention_for(pipe, press_name)
     ids = pipe.preprocess(sample["context"], [sample["question"]], sample["answer_prefix"], int(1e10))
     cache = DynamicCache()
@@ -176,33 +182,65 @@ def kept_tokens(pipe, cache) -> list[float]:
     counted as kept."""
     out = []
     for layer, block in zip(cache.layers, pipe.model.model.layers, strict=True):
+        if getattr(block.self_attn, "is_sliding", False):
+            continue  # a windowed layer is never compressed (kvpress's rule for Gemma 3); kvcli's budget skips it too
         batch, heads, length = layer.keys.shape[:3]
         masked = getattr(block.self_attn, "masked_key_indices", None)
         out.append(length - (len(masked[0]) / (batch * heads) if masked is not None else 0))
     return out
 
 
-def own_mask_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """transformers' SDPA attention with the mask this layer's own cache needs, not the one built for layer 0:
-    every cached key visible to every new query, the new queries causal among themselves (which is what the
-    shared mask says for a layer of layer 0's length)."""
+def windowed_layers(pipe) -> bool:
+    """Whether the model has sliding-window layers (Gemma 3's local layers: ``self_attn.is_sliding``)."""
+    return any(getattr(block.self_attn, "is_sliding", False) for block in pipe.model.model.layers)
+
+
+def skipping_windowed_layers(hook):
+    """A press's forward hook that leaves sliding-window layers alone. kvpress 0.5.5 skips them for
+    ``Gemma3ForConditionalGeneration`` (its ``BasePress.__call__``) but compresses them in Gemma 3's text-only
+    ``Gemma3ForCausalLM`` (which it calls "not tested"), after which a local layer's window mask no longer matches
+    its cache and the answer is noise; kvcli's windowed layers also keep their window whatever the budget."""
+
+    def forward_hook(module, input, kwargs, output):
+        return output if getattr(module, "is_sliding", False) else hook(module, input, kwargs, output)
+
+    return forward_hook
+
+
+def own_mask(q_len: int, k_len: int, sliding_window: int | None, device):
+    """The mask of a layer's own cache, in cache indices: the new queries are its last ``q_len`` entries, each sees
+    every earlier entry and itself, and on a windowed layer (never compressed, so an index is a position) only the
+    ``sliding_window - 1`` entries before it (transformers' sliding mask). None where that is every entry."""
     import torch
+
+    if q_len == 1 and not sliding_window:
+        return None
+    queries = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    keys = torch.arange(k_len, device=device)[None, :]
+    mask = keys <= queries
+    if sliding_window:
+        mask &= queries - keys < sliding_window
+    return mask[None, None]
+
+
+def own_mask_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention with the mask this layer's own cache needs (:func:`own_mask`), not the one
+    built from another layer's cache length."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    q_len, k_len = query.shape[2], key.shape[2]
-    mask = None
-    if q_len > 1:
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None, None]
+    mask = own_mask(query.shape[2], key.shape[2], kwargs.get("sliding_window"), query.device)
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=False,
-                                  **{k: v for k, v in kwargs.items() if k != "is_causal"})
+                                  **{k: v for k, v in kwargs.items() if k not in ("is_causal", "sliding_window")})
 
 
 def attention_for(pipe, press_name: str) -> None:
-    """The attention a press's trial runs with: ``own_mask_attention`` for :data:`UNEVEN_PRESSES`, else SDPA."""
+    """The attention a press's trial runs with: ``own_mask_attention`` for :data:`UNEVEN_PRESSES` and on a model
+    with windowed layers (its compressed and windowed layers differ in length), else SDPA."""
     from transformers import AttentionInterface
 
     AttentionInterface.register("kvpress_ruler_own_mask", own_mask_attention)
-    pipe.model.set_attn_implementation("kvpress_ruler_own_mask" if press_name in UNEVEN_PRESSES else "sdpa")
+    own = press_name in UNEVEN_PRESSES or windowed_layers(pipe)
+    pipe.model.set_attn_implementation("kvpress_ruler_own_mask" if own else "sdpa")
 
 
 def taken_rows(log, run: dict) -> dict[tuple, dict]:
@@ -226,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         log = RowLog(args.out, "--out")
     except KvcliError as exc:
         fail(str(exc))
-    pipe = load(args.model_dir)
+    pipe = load(args.model_dir, args.dtype)
     run = run_identity(args, pipe, samples)
     done = taken_rows(log, run)
     grid = [(sample, press, ratio) for sample in samples for press in args.presses for ratio in args.ratios]
