@@ -1,4 +1,4 @@
-"""Helpers for method tests: drive a method on synthetic attention, one compression at a time.
+"""Helpers for tests: drive a method on synthetic attention, one compression at a time; load a docs script.
 
 The engine's forward pass is replaced by :func:`append_tokens` (random keys and values) and a
 hand-made attention record, so a test controls exactly what the method sees and can compare the
@@ -7,7 +7,11 @@ kept stream positions with a literal re-implementation of the paper.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -66,3 +70,14 @@ def max_pooled(scores: list[float], kernel: int) -> list[float]:
     """Each score replaced by the largest within ``kernel // 2`` places on either side (edges ignored)."""
     half = kernel // 2
     return [max(scores[max(0, i - half):i + half + 1]) for i in range(len(scores))]
+
+
+def docs_script(relative: str) -> ModuleType:
+    """The script ``docs/<relative>`` (not a package module) imported under its own name, registered in
+    ``sys.modules`` so that its dataclasses can look their module up."""
+    path = Path(__file__).resolve().parents[1] / "docs" / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module

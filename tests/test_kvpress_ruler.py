@@ -5,20 +5,14 @@ transformers' own causal and sliding-window mask functions on a layer whose cach
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from support import docs_script
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
 
 def _script():
-    path = Path(__file__).parent.parent / "docs" / "results" / "kvpress_ruler.py"
-    spec = importlib.util.spec_from_file_location("kvpress_ruler", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_script("results/kvpress_ruler.py")
 
 
 def _reference(q_len: int, k_len: int, window: int | None) -> torch.Tensor:

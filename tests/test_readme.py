@@ -6,24 +6,19 @@ form (numbers aside); the slow one (``--run-slow``: the default model reads 8,19
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
+from support import docs_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def readme_check():
-    spec = importlib.util.spec_from_file_location("readme_check", ROOT / "docs" / "readme_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["readme_check"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return docs_script("readme_check.py")
 
 
 def form(line: str) -> str:

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import struct
 import zlib
-from pathlib import Path
+
+from support import docs_script
 
 
 def _script():
-    path = Path(__file__).parent.parent / "docs" / "results" / "sword_haystack.py"
-    spec = importlib.util.spec_from_file_location("sword_haystack", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_script("results/sword_haystack.py")
 
 
 def test_blocks_are_read_in_index_order_and_the_markup_dropped(tmp_path):
