@@ -182,7 +182,7 @@ def kept_tokens(pipe, cache) -> list[float]:
     counted as kept."""
     out = []
     for layer, block in zip(cache.layers, pipe.model.model.layers, strict=True):
-        if getattr(block.self_attn, "is_sliding", False):
+        if windowed(block.self_attn):
             continue  # a windowed layer is never compressed (kvpress's rule for Gemma 3); kvcli's budget skips it too
         batch, heads, length = layer.keys.shape[:3]
         masked = getattr(block.self_attn, "masked_key_indices", None)
@@ -190,9 +190,14 @@ def kept_tokens(pipe, cache) -> list[float]:
     return out
 
 
+def windowed(attention) -> bool:
+    """Whether an attention module is a sliding-window layer (Gemma 3's local layers say ``is_sliding``)."""
+    return bool(getattr(attention, "is_sliding", False))
+
+
 def windowed_layers(pipe) -> bool:
-    """Whether the model has sliding-window layers (Gemma 3's local layers: ``self_attn.is_sliding``)."""
-    return any(getattr(block.self_attn, "is_sliding", False) for block in pipe.model.model.layers)
+    """Whether the model has sliding-window layers."""
+    return any(windowed(block.self_attn) for block in pipe.model.model.layers)
 
 
 def skipping_windowed_layers(hook):
@@ -202,7 +207,7 @@ def skipping_windowed_layers(hook):
     its cache and the answer is noise; kvcli's windowed layers also keep their window whatever the budget."""
 
     def forward_hook(module, input, kwargs, output):
-        return output if getattr(module, "is_sliding", False) else hook(module, input, kwargs, output)
+        return output if windowed(module) else hook(module, input, kwargs, output)
 
     return forward_hook
 
