@@ -57,6 +57,18 @@ def test_a_peak_is_the_best_token_within_its_radius():
     assert recap.passages() == [101, 102, 103, 104, 105, 106, 107, 108, 109, 110]
 
 
+def test_a_name_of_several_tokens_outweighs_one_token_a_head_rests_on():
+    # Five tokens at 30 (a name the question matches) against one at 60 (a token some head rests on everywhere):
+    # nearness-weighed over a passage of radius 2, the name's centre has 30 * (1/3 + 2/3 + 1 + 2/3 + 1/3) = 90.
+    name = dict.fromkeys(range(10, 15), 30.0)
+    recap = Recap(5, radius=2)
+    recap.observe(fake_cache(20, {3: 60.0} | name), list(range(100, 120)), start=0)
+    assert recap.passages() == [110, 111, 112, 113, 114]
+    lone = Recap(5, radius=2)
+    lone.observe(fake_cache(20, {3: 60.0} | dict.fromkeys(range(10, 15), 10.0)), list(range(100, 120)), start=0)
+    assert lone.passages() == [101, 102, 103, 104, 105]  # a weaker name (50 weighed) loses to the lone 60
+
+
 def test_the_last_radius_tokens_are_never_peaks_and_left_neighbours_come_from_the_block_before():
     recap = Recap(5, radius=2)
     recap.observe(fake_cache(8, {7: 1000.0, 6: 1000.0, 2: 50.0}), list(range(100, 108)), start=0)

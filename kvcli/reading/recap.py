@@ -15,10 +15,15 @@ method that scores nothing (StreamingLLM) gets no recap.
 The rules, and why:
 
 * A token's score is the largest share of a block that one query head of the middle layers (from a
-  third to five sixths of the depth) pays it, summed over the question's queries. The share is taken
-  over the block's own tokens, so every token is scored once, at first sight, against the same
+  third to five sixths of the depth) pays the passage around it, summed over the question's queries. The share is
+  taken over the block's own tokens, so every token is scored once, at first sight, against the same
   question, and blocks compare; the bottom layers' question attention is spread or goes to frequent
   words, the top layers' to the answer's format (docs/notes/2026-11-25-ask-24k-streamed.md, where a lost key survives).
+* The passage's share weighs its tokens by their nearness, from 1 at the token to ``1 / (radius + 1)`` at the
+  radius's edge: what the question names spans several tokens (a name, a key and the words before it), while
+  some heads rest on one token wherever it appears (Gemma 3 on every "’"), and one token alone outscored the needle
+  (docs/notes/2026-12-05-recap-passage-share.md). Nearness weighs the token itself most, so a passage centres on
+  its best token.
 * A peak is the best token within ``radius`` of it, so passages do not repeat one another.
 * The block's last ``radius`` tokens are never peaks: the probe sits right after them, and nearness
   alone draws its attention there. This also gives every peak its right-hand neighbours within its
@@ -158,8 +163,8 @@ class Recap:
         self.scores, self.starts, self.ids = best.values, starts[best.indices], kept[best.indices]
 
     def _block_share(self, cache, n: int) -> torch.Tensor | None:
-        """``[n - radius]``: each block token's largest share of the block (its last ``radius`` tokens left out)
-        paid by one query head of the middle layers, the question's queries summed; None when no layer
+        """``[n - radius]``: each block token's largest passage share of the block (its last ``radius`` tokens left
+        out) paid by one query head of the middle layers, the question's queries summed; None when no layer
         recorded the question's attention or the block is no longer than ``radius``."""
         import torch
 
@@ -173,9 +178,21 @@ class Recap:
                 continue
             # The block is each head's last n tokens before compression.
             probs = record.probe[..., -n:-self.radius if self.radius else None].float()
-            share = (probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)).amax(dim=(0, 1))
+            share = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+            share = self._passage_share(share).amax(dim=(0, 1))
             best = share if best is None else torch.maximum(best, share)
         return best
+
+    def _passage_share(self, share: torch.Tensor) -> torch.Tensor:
+        """``share`` (``[..., tokens]``) summed over each token's passage, weighed by nearness: 1 at the token, less
+        by ``1 / (radius + 1)`` a step, so ``1 / (radius + 1)`` at the radius's edge."""
+        import torch
+
+        r = self.radius
+        steps = torch.arange(-r, r + 1, device=share.device, dtype=share.dtype).abs()
+        weights = (1 - steps / (r + 1)).view(1, 1, -1)
+        flat = share.reshape(-1, 1, share.shape[-1])
+        return torch.nn.functional.conv1d(flat, weights, padding=r).view(share.shape)
 
     def passages(self, joins: Callable[[int, int], bool] | None = None) -> list[int]:
         """The recap's token ids in stream order: the best passages first, as many as fit ``tokens``
