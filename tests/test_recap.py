@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from kvcli.engine.engine import Engine
+from kvcli.kv.cache import KVCache
 from kvcli.methods import make_method
 from kvcli.models.load import tiny_llama
 from kvcli.reading.prompts import PromptParts
 from kvcli.reading.reader import RECAP_SEPARATOR, Reader
 from kvcli.reading.recap import Recap, scored_layers, word_joins
+from tests.support import append_tokens, make_cache
 
 LAYERS = 12  # scored: layers 4 to 10
 
@@ -234,6 +236,41 @@ def test_after_a_recap_the_whole_last_block_is_held_with_the_question(model):
     plain: dict = {}
     read_with(model, recap=0, last=plain, block=80)
     assert plain["held"] == len(suffix) < len(plain["ids"])  # without a recap the question alone
+
+
+def test_a_cache_forgets_the_tokens_every_head_of_a_layer_holds():
+    cache = make_cache(num_layers=1, kv_heads=2)
+    append_tokens(cache, 10)
+    layer = cache.layers[0]
+    layer.keep(torch.tensor([[0, 1, 2, 3, 5, 6], [0, 2, 3, 4, 5, 7]]))
+    keys = layer.keys.clone()
+    # 2 and 3 both heads hold; 4 one head only (it stays: every head keeps as many); 8 none.
+    assert cache.forget(torch.tensor([2, 3, 4, 8])) == 4
+    assert layer.token_idx.tolist() == [[0, 1, 5, 6], [0, 4, 5, 7]]
+    assert torch.equal(layer.keys[0, 0], keys[0, 0, [0, 1, 4, 5]])
+    assert torch.equal(layer.keys[0, 1], keys[0, 1, [0, 3, 4, 5]])
+    assert cache.forget(torch.tensor([9])) == 0 and layer.token_idx.shape == (2, 4)
+
+
+def test_before_the_recap_the_cache_forgets_its_copies_of_the_recapped_tokens(model, monkeypatch):
+    calls = []
+    original = KVCache.forget
+
+    def forget(cache, stream):
+        before = [layer.token_idx.clone() for layer in cache.layers]
+        gone = original(cache, stream)
+        calls.append((stream.tolist(), before, [layer.token_idx.clone() for layer in cache.layers], gone))
+        return gone
+
+    monkeypatch.setattr(KVCache, "forget", forget)
+    gen, read, prefix, doc, _ = read_with(model, recap=40)
+    [(stream, before, after, gone)] = calls
+    start = len(prefix) + len(doc) + len(RECAP_SEPARATOR)
+    assert [doc[i - len(prefix)] for i in sorted(stream)] == read[start:start + gen.recap_tokens]
+    for held, left in zip(before, after, strict=True):
+        every = set.intersection(*(set(row) for row in held.tolist())) & set(stream)
+        assert [sorted(row) for row in left.tolist()] == [sorted(set(row) - every) for row in held.tolist()]
+    assert gone == sum(held.numel() - left.numel() for held, left in zip(before, after, strict=True)) > 0
 
 
 def test_no_recap_when_off_or_when_the_method_scores_nothing(model):

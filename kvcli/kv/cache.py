@@ -313,6 +313,27 @@ class KVCache(Cache):
         for pairs in batches:
             keep_joined(pairs)
 
+    def forget(self, stream: torch.Tensor) -> int:
+        """Drop from every layer without a window the tokens of ``stream`` (stream indices) that all its KV heads
+        hold; how many entries went. A reader calls it right before it reads those tokens again (the recap): the
+        read kept each passage cut to its clusters ("is: 9058" of a key 9058239), and beside a whole copy at a new
+        position an answer followed the cut one (docs/notes/2026-12-05-recap-passage-share.md). A token only some
+        heads hold stays, since a layer keeps as many tokens in every head."""
+        kept = []
+        for layer in self.layers:
+            tokens = layer.token_idx
+            if layer.window is not None or tokens is None or not tokens.numel():
+                continue
+            inside = torch.isin(tokens, stream.to(tokens.device))
+            candidates = tokens[inside].unique()
+            common = candidates[torch.stack([torch.isin(candidates, row) for row in tokens]).all(0)]
+            if common.numel():
+                rest = ~torch.isin(tokens, common)
+                kept.append((layer, rest.nonzero(as_tuple=True)[1].view(tokens.shape[0], -1)))
+        gone = sum(layer.token_idx.numel() - indices.numel() for layer, indices in kept)
+        self.keep_layers(kept)
+        return gone
+
     def quantize(self, bits: int, keys: str | None = None, key_norm: bool = False) -> KVCache:
         """Store keys and values at ``bits`` bits from now on (16: the model's precision), keys rounded the
         ``keys`` way (None: :data:`kvcli.kv.quant.DEFAULT_KEYS`), ``key_norm`` whether the model normalizes its

@@ -144,7 +144,9 @@ class Reader:
                                 span=parts.question_span, block=block)
         document = read + len(pending) - len(parts.prefix)
         held = len(suffix)
-        if recap is not None and (again := recap.passages(word_joins(self.tokenizer))):
+        if recap is not None and (chosen := recap.chosen(word_joins(self.tokenizer))):
+            cache.forget(torch.tensor(list(chosen)))
+            again = [chosen[index] for index in sorted(chosen)]
             read, last = self.read_again(cache, pending, again, result, started, read, probe_ids, parts.question_span)
             held += last
         return self.finish(cache, pending, parts, result, read, document, held, started)

@@ -195,12 +195,17 @@ class Recap:
         return torch.nn.functional.conv1d(flat, weights, padding=r).view(share.shape)
 
     def passages(self, joins: Callable[[int, int], bool] | None = None) -> list[int]:
-        """The recap's token ids in stream order: the best passages first, as many as fit ``tokens``
+        """The recap's token ids in stream order (:meth:`chosen`'s)."""
+        chosen = self.chosen(joins)
+        return [chosen[index] for index in sorted(chosen)]
+
+    def chosen(self, joins: Callable[[int, int], bool] | None = None) -> dict[int, int]:
+        """The recap's token ids by stream index: the best passages first, as many as fit ``tokens``
         (a passage that would overflow it is left out), overlapping passages merged. ``joins``
         (:func:`word_joins`) moves each passage's ends to word boundaries; without it a passage is its peak
         and ``radius`` tokens each side."""
         if self.scores is None:
-            return []
+            return {}
         scores, starts, ids = self.scores.tolist(), self.starts.tolist(), self.ids.tolist()
         chosen: dict[int, int] = {}
         for score, start, span in zip(scores, starts, ids, strict=True):
@@ -211,7 +216,7 @@ class Recap:
             if len(chosen) + len(new) > self.tokens:
                 continue
             chosen.update(new)
-        return [chosen[index] for index in sorted(chosen)]
+        return chosen
 
     def _edges(self, span: list[int], joins: Callable[[int, int], bool] | None) -> tuple[int, int]:
         """Where a stored passage (its peak at ``side``) begins and ends (exclusive) between words: its radius
