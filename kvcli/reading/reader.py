@@ -144,9 +144,7 @@ class Reader:
                                 span=parts.question_span, block=block)
         document = read + len(pending) - len(parts.prefix)
         held = len(suffix)
-        if recap is not None and (chosen := recap.chosen(word_joins(self.tokenizer))):
-            cache.forget(torch.tensor(list(chosen)))
-            again = [chosen[index] for index in sorted(chosen)]
+        if recap is not None and (again := recapped(recap, cache, word_joins(self.tokenizer))):
             read, last = self.read_again(cache, pending, again, result, started, read, probe_ids, parts.question_span)
             held += last
         return self.finish(cache, pending, parts, result, read, document, held, started)
@@ -237,6 +235,15 @@ class Reader:
             on_read(result)
         self.writer.write(cache, hidden, result, max_new_tokens, on_text)
         return result
+
+
+def recapped(recap: Recap, cache, joins) -> list[int]:
+    """The recap's token ids in stream order, once ``cache`` has forgotten its own copies of them
+    (:meth:`kvcli.kv.cache.KVCache.forget`): they are read again whole right after."""
+    chosen = recap.chosen(joins)
+    if chosen:
+        cache.forget(torch.tensor(list(chosen)))
+    return [chosen[index] for index in sorted(chosen)]
 
 
 def recaps_whole(engine: Engine, recap: int, parts: PromptParts, probe: bool, buffered: int) -> bool:
