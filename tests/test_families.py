@@ -407,3 +407,14 @@ def test_recall_sees_the_keys_and_queries_each_family_rotates(models, family, mo
     for layer, (q, k) in zip(layers, seen, strict=True):
         assert torch.allclose(keys[layer], k, atol=1e-6), (family, layer)
         assert torch.allclose(queries[layer], q, atol=1e-6), (family, layer)
+
+
+@pytest.mark.parametrize(("family", "layers"), [("gemma3", [2]), ("gpt_oss", [1]), ("mistral", [0, 1])])
+def test_the_recall_index_keeps_the_middle_layers_without_a_window(models, family, layers):
+    """Gemma 3's and GPT-OSS's windowed layers never looked past their window in training, so their attention over a
+    whole read is not scored; a model whose every layer has a window (Mistral) keeps them all."""
+    from kvcli.kv.architecture import describe
+    from kvcli.reading.recall import PageIndex
+
+    model = model_of(models, family)
+    assert PageIndex.for_model(model, describe(model).windows).layers == layers

@@ -222,6 +222,38 @@ def test_recall_finds_the_page_whose_keys_match_the_question():
     assert shares.argmax().item() == 5 and shares.shape == (8,)
 
 
+def test_recall_counts_a_token_by_the_part_of_its_words_attention_it_takes():
+    """A word the document repeats in the same setting (the form several facts share) splits the question's
+    attention over its copies; its heaviest copy outweighs the asked name's one token by share alone, but not once
+    each share counts by the part of its word's it takes."""
+    from kvcli.reading.recall import _page_shares, quantize
+
+    query = torch.zeros(1, 8)
+    query[0, 0] = 6.0
+    keys = torch.zeros(64, 8)  # 8 pages of 8 tokens
+    # one copy of the shared word in each of four pages, the first favoured
+    for page, lift in zip((0, 2, 4, 6), (1.3, 1.0, 1.0, 1.0), strict=True):
+        keys[page * 8 + 3, 0] = lift
+    keys[5 * 8 + 1, 0] = 1.05  # the name: one token of its word, in page 5
+    words = torch.zeros(64, dtype=torch.long)
+    words[[3, 19, 35, 51]] = 1
+    words[41] = 2
+    values, scale = quantize(keys)
+    by_share = _page_shares(query, values, scale, 8)
+    assert by_share.argmax().item() == 0  # the favoured copy of the shared word
+    weighed = _page_shares(query, values, scale, 8, words)
+    assert weighed.argmax().item() == 5
+    assert torch.allclose(_page_shares(query, values, scale, 8, torch.arange(64)), by_share)  # all words distinct
+
+
+def test_recall_scores_only_the_layers_without_a_window_where_there_are_some():
+    from kvcli.reading.recall import recall_layers
+
+    assert recall_layers(range(6, 16), [512 if i % 6 != 5 else None for i in range(18)]) == [11]  # Gemma 3 270M
+    assert recall_layers(range(0, 2), [4096, 4096]) == [0, 1]  # every layer windowed (Mistral)
+    assert recall_layers(range(10, 26), [None] * 30) == list(range(10, 26))
+
+
 def test_recall_reads_whole_pages_of_the_document_again(invoke, saved, tiny_model_dir):
     from kvcli.reading.saved import ReadState
 

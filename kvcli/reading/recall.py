@@ -5,10 +5,11 @@ A read saved before any question is known keeps what its method chose without th
 is gone from the cache. While reading, :class:`PageIndex` keeps every token's keys before RoPE in the middle
 layers, rounded to 8 bits per token and KV head, and the token ids of the read: the keys spilled off the device,
 as InfiniGen and Quest keep what they may fetch back. At question time the question's own queries (before RoPE,
-from a pass that stores nothing) attend to every token the read saw, per query head and layer; a page of
-:data:`PAGE` tokens weighs the largest share one of its tokens takes, the best over the question's tokens, averaged
-over KV heads and summed over layers; the heaviest pages are read once more, the heaviest passage last, after the
-document and before the question, as the recap of a streamed ``ask`` is (:mod:`kvcli.reading.recap`).
+from a pass that stores nothing) attend to every token the read saw, per query head and layer; a token weighs its
+share times the part of its word's share it takes (:func:`_page_shares`), a page of :data:`PAGE` tokens the largest
+weight one of its tokens has, the best over the question's tokens, averaged over KV heads and summed over layers; the
+heaviest pages are read once more, the heaviest passage last, after the document and before the question, as the
+recap of a streamed ``ask`` is (:mod:`kvcli.reading.recap`).
 
 The rules, and why:
 
@@ -17,6 +18,13 @@ The rules, and why:
   the question repeats (docs/notes/2026-11-29-recall-exact-keys.md).
 * The largest share a page's tokens take, from the question token that gives it most: one word of the question
   ("bridge") may be all that finds its page, and one token of the page may be all it matches.
+* A token's share counts by the part it takes of what the question token gives every token of the same word (the
+  same token id), squared (:data:`DISTINCT`): a word the document repeats in the same setting (the sentence form
+  several facts share, "the pass key for the", or "the" itself) spreads its attention over every copy and says
+  little of which copy the question means, while a word whose attention falls on one of its copies (the name) does.
+  Without it the form's most favoured copy outweighed the page of the asked name: on Gemma 3 a question's " pass"
+  gave 0.23 of its attention to one fact's " pass" (0.58 over all six facts' copies), its " red" 0.09 to the red
+  door's " red" (0.09 over the word's copies) (docs/notes/2026-12-06-recall-distinct-words.md).
 * Keys and queries before RoPE: a page's positions were re-assigned or evicted long before the question, so only
   the content of the keys can be compared (Quest compares after RoPE, within one context window).
 * Only pages weighing at least :data:`KEEP_SHARE` of the heaviest: the budget is an upper bound, not a quota. A
@@ -30,7 +38,10 @@ The rules, and why:
 * 8 bits a channel, symmetric per token and KV head (a float16 scale, the largest magnitude over 127, kept within
   float16's normal range): the ranking of pages does not move from the model's precision, at half its bytes.
 * The middle layers (a third to five sixths of the depth), as the recap: the bottom layers' question attention is
-  spread, the top layers' goes to the answer's format.
+  spread, the top layers' goes to the answer's format. Of those, only the layers the model lets see every token
+  where it has such layers (Gemma 3's global layers: one in six), as the recap: a layer with a window never looked
+  past it in training, and its questions' attention over a whole book was noise that outweighed the one global
+  layer's (:func:`recall_layers`).
 * The recalled pages end the document in the question's block, held with the question: when the document's
   unread tail, a paragraph break and the pages would overflow a block, the tail is read first, on its own. Read
   across a block's end, most of the pages would be compressed before the question is read, with nothing to tell
@@ -57,6 +68,9 @@ PAGE = 32
 #: A page is recalled only if it weighs at least this share of the heaviest page's weight.
 KEEP_SHARE = 0.5
 
+#: A token's weight is its share times (the part of its word's share it takes) to this power (:func:`_page_shares`).
+DISTINCT = 2
+
 #: What :class:`PageIndex` stores, recorded in a saved read: a file without it has no index this kvcli can use.
 KIND = "keys-int8"
 
@@ -76,9 +90,10 @@ class PageIndex:
         self._keys: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def for_model(cls, model) -> PageIndex:
+    def for_model(cls, model, windows: list[int | None]) -> PageIndex:
+        """The index of ``model``, whose layers have attention ``windows`` (None: none): :func:`recall_layers`."""
         heads, dim = head_shape(model.config)
-        return cls(list(scored_layers(model.config.num_hidden_layers)), heads, dim)
+        return cls(recall_layers(scored_layers(model.config.num_hidden_layers), windows), heads, dim)
 
     @contextmanager
     def recording(self, decoder):
@@ -110,6 +125,13 @@ class PageIndex:
     def facts(self) -> dict:
         return {"layers": self.layers, "heads": self.heads, "dim": self.dim, "page": self.page,
                 "usable": self.usable, "kind": KIND}
+
+
+def recall_layers(layers, windows: list[int | None]) -> list[int]:
+    """Of ``layers``, those without an attention window (``windows[i]`` None); all of them where each has one (Mistral
+    gives every layer its window)."""
+    free = [i for i in layers if windows[i] is None]
+    return free or list(layers)
 
 
 def _joined(blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -151,11 +173,15 @@ def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix:
         engine.probe(cache, torch.tensor([suffix], dtype=torch.long))
     start, end = span or (0, len(suffix))
     weight = torch.zeros(pages)
+    _, words = torch.unique(tensors["recall.ids"][: pages * page].long(), return_inverse=True)
+    used = recall_layers(facts["layers"], engine.architecture.windows)  # an older file kept windowed layers too
     for j, layer in enumerate(facts["layers"]):
+        if layer not in used:
+            continue
         q = queries[layer][start:end].float().cpu().unflatten(1, (keys.shape[2], -1))  # [n, H, group, D]
         for head in range(keys.shape[2]):
             weight += _page_shares(q[:, head].flatten(0, 1), keys[: pages * page, j, head],
-                                   scales[: pages * page, j, head], page) / keys.shape[2]
+                                   scales[: pages * page, j, head], page, words) / keys.shape[2]
     weight[: -(-first // page)] = -1.0  # pages that hold the prompt's start
     chosen = heaviest_last(weight, count)
     ids = tensors["recall.ids"].tolist()
@@ -183,11 +209,18 @@ def heaviest_last(weight: torch.Tensor, count: int, share: float = KEEP_SHARE) -
     return [p for run in runs for p in run]
 
 
-def _page_shares(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, page: int) -> torch.Tensor:
-    """Per page: the largest attention share any of ``queries`` ``[m, D]`` gives one of its tokens, each query
-    attending to every token of ``keys`` ``[T, D]`` (int8, ``scales`` ``[T]``), ``T`` whole pages."""
+def _page_shares(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, page: int,
+                 words: torch.Tensor | None = None) -> torch.Tensor:
+    """Per page: the largest weight any of ``queries`` ``[m, D]`` gives one of its tokens, each query attending to
+    every token of ``keys`` ``[T, D]`` (int8, ``scales`` ``[T]``), ``T`` whole pages. A token's weight is its share
+    ``s`` times ``(s / S) ** DISTINCT``, ``S`` the query's share of every token of the same word (``words`` ``[T]``:
+    each token's word, numbered from 0; None: every token a word of its own, the weight the share)."""
     logits = (queries @ keys.float().T) * (scales.float() / queries.shape[-1] ** 0.5)  # [m, T]
-    return torch.softmax(logits, dim=-1).unflatten(-1, (-1, page)).amax(dim=-1).amax(dim=0)
+    shares = torch.softmax(logits, dim=-1)
+    if words is not None:
+        per_word = shares.new_zeros(shares.shape[0], int(words.max()) + 1).index_add_(1, words, shares)
+        shares = shares * (shares / per_word[:, words].clamp_min(torch.finfo(shares.dtype).tiny)) ** DISTINCT
+    return shares.unflatten(-1, (-1, page)).amax(dim=-1).amax(dim=0)
 
 
 def before_rope(output: torch.Tensor, attention, kind: str, heads: int, dim: int) -> torch.Tensor:

@@ -240,7 +240,7 @@ def read_once(reader, document: Iterable[list[int]], identity: dict | None = Non
 
     prefix = prompt_parts(reader.tokenizer, "").prefix
     pending = list(prefix)
-    index = PageIndex.for_model(reader.engine.model)
+    index = PageIndex.for_model(reader.engine.model, reader.engine.architecture.windows)
     with index.recording(reader.engine.decoder):
         read = reader.read_blocks(cache, pending, hashed(), result, started, after=index.add)
     tokens = read + len(pending) - len(prefix)
