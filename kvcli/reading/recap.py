@@ -104,6 +104,11 @@ def scored_layers(num_layers: int) -> range:
     return range(num_layers // 3, 5 * num_layers // 6 + 1)
 
 
+def stream_order(chosen: dict[int, int]) -> list[int]:
+    """The token ids of ``chosen`` (stream index -> id, :meth:`Recap.chosen`) in stream order."""
+    return [chosen[index] for index in sorted(chosen)]
+
+
 class Recap:
     """At most ``tokens`` token ids of the document that the question pointed at, in stream order.
 
@@ -196,8 +201,7 @@ class Recap:
 
     def passages(self, joins: Callable[[int, int], bool] | None = None) -> list[int]:
         """The recap's token ids in stream order (:meth:`chosen`'s)."""
-        chosen = self.chosen(joins)
-        return [chosen[index] for index in sorted(chosen)]
+        return stream_order(self.chosen(joins))
 
     def chosen(self, joins: Callable[[int, int], bool] | None = None) -> dict[int, int]:
         """The recap's token ids by stream index: the best passages first, as many as fit ``tokens``
