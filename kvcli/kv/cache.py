@@ -315,10 +315,10 @@ class KVCache(Cache):
 
     def forget(self, stream: torch.Tensor) -> int:
         """Drop from every layer without a window the tokens of ``stream`` (stream indices) that all its KV heads
-        hold; how many entries went. A reader calls it right before it reads those tokens again (the recap): the
-        read kept each passage cut to its clusters ("is: 9058" of a key 9058239), and beside a whole copy at a new
-        position an answer followed the cut one (docs/notes/2026-12-05-recap-passage-share.md). A token only some
-        heads hold stays, since a layer keeps as many tokens in every head."""
+        hold; how many entries went. A reader calls it right before it reads those tokens again (the recap): a read
+        may keep a passage cut short to its clusters, and beside a whole copy at a new position an answer can follow
+        the cut one (docs/notes/2026-12-05-recap-passage-share.md). A token only some heads hold stays, since a
+        layer keeps as many tokens in every head."""
         kept = []
         for layer in self.layers:
             tokens = layer.token_idx

@@ -21,10 +21,9 @@ The rules, and why:
 * A token's share counts by the part it takes of what the question token gives every token of the same word (the
   same token id), squared (:data:`DISTINCT`): a word the document repeats in the same setting (the sentence form
   several facts share, "the pass key for the", or "the" itself) spreads its attention over every copy and says
-  little of which copy the question means, while a word whose attention falls on one of its copies (the name) does.
-  Without it the form's most favoured copy outweighed the page of the asked name: on Gemma 3 a question's " pass"
-  gave 0.23 of its attention to one fact's " pass" (0.58 over all six facts' copies), its " red" 0.09 to the red
-  door's " red" (0.09 over the word's copies) (docs/notes/2026-12-06-recall-distinct-words.md).
+  little of which copy the question means, while a word whose attention falls on one of its copies (the name) does,
+  so the form's most favoured copy cannot outweigh the page of the asked name
+  (docs/notes/2026-12-06-recall-distinct-words.md).
 * Keys and queries before RoPE: a page's positions were re-assigned or evicted long before the question, so only
   the content of the keys can be compared (Quest compares after RoPE, within one context window).
 * Only pages weighing at least :data:`KEEP_SHARE` of the heaviest: the budget is an upper bound, not a quota. A
@@ -39,9 +38,8 @@ The rules, and why:
   float16's normal range): the ranking of pages does not move from the model's precision, at half its bytes.
 * The middle layers (a third to five sixths of the depth), as the recap: the bottom layers' question attention is
   spread, the top layers' goes to the answer's format. Of those, only the layers the model lets see every token
-  where it has such layers (Gemma 3's global layers: one in six), as the recap: a layer with a window never looked
-  past it in training, and its questions' attention over a whole book was noise that outweighed the one global
-  layer's (:func:`recall_layers`).
+  where it has such layers (Gemma 3's global layers), as the recap: a layer with a window never looked past it in
+  training, so its questions' attention over a whole book is noise (:func:`recall_layers`).
 * The recalled pages end the document in the question's block, held with the question: when the document's
   unread tail, a paragraph break and the pages would overflow a block, the tail is read first, on its own. Read
   across a block's end, most of the pages would be compressed before the question is read, with nothing to tell
