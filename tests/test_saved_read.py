@@ -246,6 +246,29 @@ def test_recall_counts_a_token_by_the_part_of_its_words_attention_it_takes():
     assert torch.allclose(_page_shares(query, values, scale, 8, torch.arange(64)), by_share)  # all words distinct
 
 
+def test_recall_page_weights_in_chunks_and_logs_equal_the_formula_taken_literally():
+    """The scoring runs over the read in chunks and in logs; its page weights are the rule's, computed the slow way:
+    every token's share ``s`` over the whole read, ``S`` its word's, the weight ``s * (s / S) ** DISTINCT``."""
+    from kvcli.reading.recall import DISTINCT, _page_shares, quantize
+
+    torch.manual_seed(5)
+    query = torch.randn(6, 16) * 3
+    values, scale = quantize(torch.randn(640, 16))
+    words = torch.randint(0, 40, (640,))
+    words[7] = 40  # a word with a single copy
+    logits = (query @ (values.float() * scale.float().unsqueeze(-1)).T) / 16 ** 0.5
+    shares = torch.softmax(logits.double(), dim=-1)
+    per_word = torch.zeros(6, 41, dtype=torch.double)
+    for token in range(640):
+        per_word[:, words[token]] += shares[:, token]
+    weight = shares * (shares / per_word[:, words]) ** DISTINCT
+    expected = weight.unflatten(-1, (80, 8)).amax(dim=-1).amax(dim=0).float()
+    for chunk in (8, 24, 100, 4096):  # one page a chunk, chunks not a divisor of the read, one chunk
+        assert torch.allclose(_page_shares(query, values, scale, 8, words, chunk), expected, rtol=1e-4)
+        assert torch.allclose(_page_shares(query, values, scale, 8, None, chunk),
+                              shares.unflatten(-1, (80, 8)).amax(dim=-1).amax(dim=0).float(), rtol=1e-4)
+
+
 def test_recall_scores_only_the_layers_without_a_window_where_there_are_some():
     from kvcli.reading.recall import recall_layers
 

@@ -69,6 +69,10 @@ KEEP_SHARE = 0.5
 #: A token's weight is its share times (the part of its word's share it takes) to this power (:func:`_page_shares`).
 DISTINCT = 2
 
+#: Tokens of the read scored at once by :func:`_page_shares`: its temporaries, ``[queries, CHUNK]`` floats, stay
+#: small enough for the processor's cache.
+CHUNK = 1 << 15
+
 #: What :class:`PageIndex` stores, recorded in a saved read: a file without it has no index this kvcli can use.
 KIND = "keys-int8"
 
@@ -208,17 +212,36 @@ def heaviest_last(weight: torch.Tensor, count: int, share: float = KEEP_SHARE) -
 
 
 def _page_shares(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, page: int,
-                 words: torch.Tensor | None = None) -> torch.Tensor:
+                 words: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
     """Per page: the largest weight any of ``queries`` ``[m, D]`` gives one of its tokens, each query attending to
     every token of ``keys`` ``[T, D]`` (int8, ``scales`` ``[T]``), ``T`` whole pages. A token's weight is its share
     ``s`` times ``(s / S) ** DISTINCT``, ``S`` the query's share of every token of the same word (``words`` ``[T]``:
-    each token's word, numbered from 0; None: every token a word of its own, the weight the share)."""
-    logits = (queries @ keys.float().T) * (scales.float() / queries.shape[-1] ** 0.5)  # [m, T]
-    shares = torch.softmax(logits, dim=-1)
-    if words is not None:
-        per_word = shares.new_zeros(shares.shape[0], int(words.max()) + 1).index_add_(1, words, shares)
-        shares = shares * (shares / per_word[:, words].clamp_min(torch.finfo(shares.dtype).tiny)) ** DISTINCT
-    return shares.unflatten(-1, (-1, page)).amax(dim=-1).amax(dim=0)
+    each token's word, numbered from 0; None: every token a word of its own, the weight the share).
+
+    Computed ``chunk`` tokens at a time and in logs, ``log w = (1 + DISTINCT) l - DISTINCT log U - log Z`` for a
+    token's logit ``l``, its word's ``U`` (the sum of ``exp l`` over the word's tokens) and the softmax's ``Z``, all
+    taken from the largest logit: the read's whole ``[m, T]`` would otherwise pass through memory once for every
+    step of the formula, and ``exp`` is monotone, so a page's largest weight is the exp of its largest log."""
+    chunk = max(page, chunk // page * page)
+    parts = [slice(at, at + chunk) for at in range(0, keys.shape[0], chunk)]
+    logits = [(queries @ keys[p].float().T) * (scales[p].float() / queries.shape[-1] ** 0.5) for p in parts]
+    top = torch.stack([part.amax(dim=1) for part in logits]).amax(dim=0).unsqueeze(1)
+    total = queries.new_zeros(queries.shape[0])
+    per_word = None if words is None else queries.new_zeros(queries.shape[0], int(words.max()) + 1)
+    for p, part in zip(parts, logits, strict=True):
+        part -= top
+        shares = part.exp()
+        total += shares.sum(dim=1)
+        if per_word is not None:
+            per_word.index_add_(1, words[p], shares)
+    if per_word is not None:
+        per_word = per_word.clamp_min(torch.finfo(per_word.dtype).tiny).log_()
+    heaviest = []
+    for p, part in zip(parts, logits, strict=True):
+        if per_word is not None:  # l - log U <= 0: a token takes at most its word's share (clamped where U underflows)
+            part += DISTINCT * (part - per_word[:, words[p]]).clamp_max_(0)
+        heaviest.append(part.unflatten(-1, (-1, page)).amax(dim=-1))
+    return (torch.cat(heaviest, dim=1) - total.log().unsqueeze(1)).exp().amax(dim=0)
 
 
 def before_rope(output: torch.Tensor, attention, kind: str, heads: int, dim: int) -> torch.Tensor:
