@@ -137,7 +137,7 @@ class Engine(BlockScorer):
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
         if self.kv_bits == 2 and self.cache_key_mode == "token":  # PoD's keys, or --kv-keys token
             self.warn("keys rounded per token at 2 bits lose much of what the cache holds (docs/results.md, "
-                      "'Every method on the held-out book'); --kv-bits 4 costs little")
+                      "'Every method at every bit width on Emma'); --kv-bits 4 costs little")
         self.positions = BlockPositions(self.architecture.rope_limit, self.trained_context, self.warn)
         self.decoder = model.get_decoder()
         #: Read each block's NLL to the host one block late (see :meth:`score`): on a GPU only, where
