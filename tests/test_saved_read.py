@@ -47,7 +47,7 @@ def test_saved_read_answers_as_a_fresh_ask_without_probe(invoke, tiny_model_dir,
     assert info["file_bytes"] == saved.stat().st_size and info["document_tokens"] > 32 * 3
     state = ReadState.load(saved)  # every token read, its keys in 8 bits and a scale per KV head, and its id
     layers, heads, dim = len(state.recall_facts["layers"]), state.recall_facts["heads"], state.recall_facts["dim"]
-    assert info["recall_index_bytes"] == len(state.recall_tensors["recall.ids"]) * (layers * heads * (dim + 2) + 4)
+    assert info["recall_index_bytes"] == len(state.recall_ids) * (layers * heads * (dim + 2) + 4)
     assert 1 <= info["pending_tokens"] <= 32 and info["max_cache_tokens"] <= 64 + 32
 
     asked = invoke("ask", str(saved), *QUESTIONS, "--model", str(tiny_model_dir), "--quiet", "--max-new-tokens", "12",
@@ -173,7 +173,9 @@ def test_every_method_round_trips_through_a_file(tiny_model_dir, tmp_path, metho
     assert again.document_tokens == 85 + 60 and again.read_tokens + len(again.pending) == len(again.prefix) + 145
 
 
-def test_page_index_keeps_every_tokens_keys_in_8_bits():
+def test_page_index_keeps_every_tokens_keys_in_8_bits_on_disk():
+    """Each block's keys go to the index's spill file as they come; a layer and head's keys over any range of tokens,
+    across blocks, come back as rounded, and a saved read's layout ([layers, heads, tokens, dim]) streams from it."""
     from kvcli.reading.recall import PageIndex
 
     index = PageIndex([1, 2], heads=2, dim=4, page=4)
@@ -181,13 +183,30 @@ def test_page_index_keeps_every_tokens_keys_in_8_bits():
     for start, stop in ((0, 6), (6, 10)):  # a page spans the two blocks
         index._keys.update({layer: k[start:stop] for layer, k in keys.items()})
         index.add(list(range(start, stop)))
-    tensors = index.tensors()
+    store = index.store
+    assert store.tokens == 10 and len(store.segments) == 2 and store.nbytes == 10 * 2 * 2 * (4 + 2)
     rows = torch.stack([keys[layer] for layer in (1, 2)], dim=1)  # [n, layers, heads, dim]
-    assert tensors["recall.keys"].shape == (10, 2, 2, 4) and tensors["recall.keys"].dtype == torch.int8
-    scale = tensors["recall.scales"].float().unsqueeze(-1)
-    assert torch.all((tensors["recall.keys"].float() * scale - rows).abs() <= scale / 2 + 1e-6)
-    assert torch.allclose(scale.squeeze(-1), (rows.abs().amax(dim=-1) / 127), rtol=1e-3)
-    assert tensors["recall.ids"].tolist() == list(range(10)) and index.facts()["usable"]
+    for layer in range(2):
+        for head in range(2):
+            values, scale = store.read(layer, head, 3, 9)  # across the blocks' boundary
+            assert values.shape == (6, 4) and values.dtype == torch.int8 and scale.dtype == torch.float16
+            scale = scale.float().unsqueeze(-1)
+            assert torch.all((values.float() * scale - rows[3:9, layer, head]).abs() <= scale / 2 + 1e-6)
+            assert torch.allclose(scale.squeeze(-1), rows[3:9, layer, head].abs().amax(dim=-1) / 127, rtol=1e-3)
+            pieces = list(store.pieces(layer, head, 10, 4))
+            assert [len(v) for v, _ in pieces] == [4, 4, 2]
+            assert torch.equal(torch.cat([v for v, _ in pieces]), store.read(layer, head, 0, 10)[0])
+    streamed_keys, streamed_scales = store.streamed()
+    laid = torch.frombuffer(bytearray(b"".join(streamed_keys)), dtype=torch.int8).view(2, 2, 10, 4)
+    assert torch.equal(laid[1, 0, 2:7], store.read(1, 0, 2, 7)[0])
+    scales = torch.frombuffer(bytearray(b"".join(streamed_scales)), dtype=torch.float16).view(2, 2, 10)
+    assert torch.equal(scales[0, 1], store.read(0, 1, 0, 10)[1])
+    assert index.token_ids().tolist() == list(range(10)) and index.facts()["usable"]
+
+
+def in_pieces(values: torch.Tensor, scale: torch.Tensor, size: int):
+    """The keys ``values`` and ``scale`` as :func:`kvcli.reading.recall._page_shares` takes them: ranges of ``size``."""
+    return lambda: ((values[at:at + size], scale[at:at + size]) for at in range(0, len(values), size))
 
 
 def test_key_rounding_cannot_overflow_or_divide_by_zero():
@@ -218,7 +237,7 @@ def test_recall_finds_the_page_whose_keys_match_the_question():
     bound = (query[0] * pages.amax(dim=1)).sum(dim=-1)  # a page summary's upper bound (Quest)
     assert bound.argmax().item() < 3  # ... prefers a page that spreads widely
     values, scale = quantize(keys)
-    shares = _page_shares(query, values, scale, 8)
+    shares = _page_shares(query, in_pieces(values, scale, 64), 8)
     assert shares.argmax().item() == 5 and shares.shape == (8,)
 
 
@@ -239,16 +258,18 @@ def test_recall_counts_a_token_by_the_part_of_its_words_attention_it_takes():
     words[[3, 19, 35, 51]] = 1
     words[41] = 2
     values, scale = quantize(keys)
-    by_share = _page_shares(query, values, scale, 8)
+    by_share = _page_shares(query, in_pieces(values, scale, 16), 8)
     assert by_share.argmax().item() == 0  # the favoured copy of the shared word
-    weighed = _page_shares(query, values, scale, 8, words)
+    weighed = _page_shares(query, in_pieces(values, scale, 16), 8, words)
     assert weighed.argmax().item() == 5
-    assert torch.allclose(_page_shares(query, values, scale, 8, torch.arange(64)), by_share)  # all words distinct
+    distinct = _page_shares(query, in_pieces(values, scale, 16), 8, torch.arange(64))
+    assert torch.allclose(distinct, by_share)  # every word distinct: the weight is the share
 
 
 def test_recall_page_weights_in_chunks_and_logs_equal_the_formula_taken_literally():
-    """The scoring runs over the read in chunks and in logs; its page weights are the rule's, computed the slow way:
-    every token's share ``s`` over the whole read, ``S`` its word's, the weight ``s * (s / S) ** DISTINCT``."""
+    """The scoring runs over the read in pieces, twice, and in logs; its page weights are the rule's, computed the
+    slow way: every token's share ``s`` over the whole read, ``S`` its word's, the weight ``s * (s / S) **
+    DISTINCT``."""
     from kvcli.reading.recall import DISTINCT, _page_shares, quantize
 
     torch.manual_seed(5)
@@ -263,9 +284,9 @@ def test_recall_page_weights_in_chunks_and_logs_equal_the_formula_taken_literall
         per_word[:, words[token]] += shares[:, token]
     weight = shares * (shares / per_word[:, words]) ** DISTINCT
     expected = weight.unflatten(-1, (80, 8)).amax(dim=-1).amax(dim=0).float()
-    for chunk in (8, 24, 100, 4096):  # one page a chunk, chunks not a divisor of the read, one chunk
-        assert torch.allclose(_page_shares(query, values, scale, 8, words, chunk), expected, rtol=1e-4)
-        assert torch.allclose(_page_shares(query, values, scale, 8, None, chunk),
+    for size in (8, 24, 4096):  # one page a piece, pieces not a divisor of the read, one piece
+        assert torch.allclose(_page_shares(query, in_pieces(values, scale, size), 8, words), expected, rtol=1e-4)
+        assert torch.allclose(_page_shares(query, in_pieces(values, scale, size), 8, None),
                               shares.unflatten(-1, (80, 8)).amax(dim=-1).amax(dim=0).float(), rtol=1e-4)
 
 
@@ -281,7 +302,7 @@ def test_recall_reads_whole_pages_of_the_document_again(invoke, saved, tiny_mode
     from kvcli.reading.saved import ReadState
 
     state = ReadState.load(saved)
-    page, ids = state.recall_facts["page"], state.recall_tensors["recall.ids"].tolist()
+    page, ids = state.recall_facts["page"], state.recall_ids.tolist()
     assert state.recall_facts["usable"] and len(ids) == state.read_tokens
     asked = invoke("ask", str(saved), *QUESTIONS, "--model", str(tiny_model_dir), "--quiet", *ANSWER, "--recall", "64",
                    "--json")
@@ -406,3 +427,20 @@ def test_recalled_tokens_are_read_in_the_questions_block_whatever_the_documents_
     assert all(not set(again) & set(ids) for ids, _ in reads[:-1])
     if tail + len(again) + 1 > 16:  # the tail could not share the question's block: read on its own first
         assert reads[-2][0] == state.pending[:-1]  # its last token stays, read with the recall
+
+
+def test_a_spill_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """A full disk (or a temporary folder that cannot be written) is a KvcliError naming where the index goes."""
+    from kvcli.errors import KvcliError
+    from kvcli.reading.keystore import KeyStore
+
+    store = KeyStore.spill(1, 1, 4, tmp_path)
+
+    def full(data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.stream, "write", full)
+    with pytest.raises(KvcliError, match="No space left on device.*TMPDIR"):
+        store.append(torch.zeros(2, 1, 1, 4, dtype=torch.int8), torch.ones(2, 1, 1, dtype=torch.float16))
+    with pytest.raises(KvcliError, match="cannot make the recall index's temporary file"):
+        KeyStore.spill(1, 1, 4, tmp_path / "missing")

@@ -1,13 +1,25 @@
-"""kvcli.io.tensorfile: safetensors files written from chunks without joining them, read as views of one buffer."""
+"""kvcli.io.tensorfile: safetensors files written from chunks or streamed pieces without joining them, read a tensor
+or a range at a time."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 import torch
 
-from kvcli.io.tensorfile import TensorFileError, file_parts, header_of, read_tensors
+from kvcli.io.tensorfile import Streamed, TensorFile, TensorFileError, file_parts, header_of
+
+
+def read_tensors(raw: bytes) -> tuple[dict, dict]:
+    """Every tensor of the file ``raw`` and its metadata, through :class:`TensorFile`."""
+    file = TensorFile(io.BytesIO(bytes(raw)))
+    return {name: file.load(name) for name in file.entries}, file.metadata
+
+
+def joined(parts: list) -> bytes:
+    return b"".join(piece for part in parts for piece in (part if isinstance(part, Streamed) else [part]))
 
 
 def _tensors() -> dict:
@@ -19,7 +31,7 @@ def _tensors() -> dict:
 
 def test_chunks_are_written_in_order_and_read_back_exactly():
     parts, digest = file_parts(_tensors(), {"note": "x"})
-    raw = bytearray(b"".join(parts))
+    raw = joined(parts)
     tensors, metadata = read_tensors(raw)
     assert metadata == {"note": "x"}
     assert torch.equal(tensors["keys"], torch.cat(_tensors()["keys"]))
@@ -31,7 +43,7 @@ def test_chunks_are_written_in_order_and_read_back_exactly():
 def test_the_file_is_what_safetensors_reads():
     from safetensors.torch import load
 
-    loaded = load(b"".join(file_parts(_tensors())[0]))
+    loaded = load(joined(file_parts(_tensors())[0]))
     assert torch.equal(loaded["keys"], torch.cat(_tensors()["keys"]))
     assert torch.equal(loaded["scales"], _tensors()["scales"]) and torch.equal(loaded["mask"], _tensors()["mask"])
 
@@ -48,7 +60,7 @@ def test_the_seal_is_the_datas_sha256_in_the_metadata():
     import hashlib
 
     parts, digest = file_parts({"a": torch.ones(3)}, {"kvcli-read": json.dumps({"format": "f"})}, sealed="kvcli-read")
-    sealed = json.loads(header_of(b"".join(parts))["__metadata__"]["kvcli-read"])
+    sealed = json.loads(header_of(joined(parts))["__metadata__"]["kvcli-read"])
     assert sealed == {"format": "f", "data_sha256": digest} and digest == hashlib.sha256(parts[1]).hexdigest()
 
 
@@ -78,3 +90,44 @@ def test_a_header_that_does_not_describe_its_data_exactly_is_refused(entries, da
 def test_what_is_no_safetensors_file_is_refused(raw):
     with pytest.raises(TensorFileError):
         read_tensors(bytearray(raw))
+
+
+def test_a_streamed_tensor_is_written_from_its_pieces_and_read_a_range_at_a_time():
+    """A tensor given as pieces (a saved read's index, read from its spill) lands as if given whole; the file's
+    reader takes one tensor, or a range of bytes, without the rest, and hashes the data a piece at a time."""
+    import hashlib
+
+    import kvcli.io.tensorfile as tensorfile
+
+    whole = torch.arange(2 * 3 * 5, dtype=torch.int8).view(2, 3, 5)
+    calls = []
+
+    def pieces():
+        calls.append(1)
+        return (whole[i].numpy().tobytes() for i in range(2))
+
+    parts, digest = file_parts({"keys": Streamed(torch.int8, [2, 3, 5], pieces), "ids": torch.arange(4)},
+                               {"note": "x"})
+    raw = joined(parts)
+    assert len(calls) == 2  # once hashed, once written
+    file = TensorFile(io.BytesIO(raw))
+    assert torch.equal(file.load("keys"), whole) and torch.equal(file.load("ids"), torch.arange(4))
+    entry = file.entries["keys"]
+    assert bytes(file.read(entry.begin + 5, 5)) == whole[0, 1].numpy().tobytes()
+    original, tensorfile.PIECE = tensorfile.PIECE, 7  # several pieces, the last one short
+    try:
+        assert file.sha256() == digest == hashlib.sha256(raw[file.data:]).hexdigest()
+    finally:
+        tensorfile.PIECE = original
+
+
+def test_a_streamed_tensor_that_gives_other_bytes_than_its_shape_is_an_error():
+    short = Streamed(torch.int8, [4], lambda: [b"\0\0\0"])
+    with pytest.raises(ValueError, match="3 bytes for 4"):
+        file_parts({"keys": short})
+
+
+def test_a_header_longer_than_allowed_is_refused_before_it_is_read():
+    raw = joined(file_parts({"a": torch.zeros(3)}, {"note": "x" * 100})[0])
+    with pytest.raises(TensorFileError, match="too long"):
+        TensorFile(io.BytesIO(raw), max_header=64)

@@ -68,7 +68,7 @@ def read(
     made = build_method(method, option, cache)
     block_size, bits = parse_read_block(block), parse_kv_bits(kv_bits)
     check_out(out, source, setup)
-    state, loaded, engine = read_source(source, setup, made, cache, block_size, bits)
+    state, loaded, engine = read_source(source, setup, made, cache, block_size, bits, out)
     size = state.save(out)
     report_read(state, out, size, loaded, engine, setup, json_out)
 
@@ -83,9 +83,11 @@ def check_out(out: Path, source: str, setup: Setup) -> None:
     check_output(out, "--out")
 
 
-def read_source(source: str, setup: Setup, method, cache: int, block: int, kv_bits: int):
+def read_source(source: str, setup: Setup, method, cache: int, block: int, kv_bits: int, out: Path | None = None):
     """SOURCE read without a question by an engine of ``method`` (budget ``cache``, ``block``, ``kv_bits``): the
-    :class:`ReadState`, the model and the engine. Progress on stderr while it reads."""
+    :class:`ReadState`, the model and the engine. Progress on stderr while it reads. ``out``: the file the read
+    will be saved to, beside which its recall index is spilled while reading (None: the system's temporary
+    folder)."""
     from kvcli.io.report import ReadProgress
     from kvcli.reading.reader import Reader, document_tokens
     from kvcli.reading.saved import read_identity, read_once
@@ -96,7 +98,8 @@ def read_source(source: str, setup: Setup, method, cache: int, block: int, kv_bi
     reader = Reader(engine, loaded.tokenizer)
     with ReadProgress(enabled=not setup.quiet) as progress:
         reader.on_progress = progress.update
-        state = read_once(reader, document_tokens(documents, loaded.tokenizer), read_identity(loaded, engine))
+        state = read_once(reader, document_tokens(documents, loaded.tokenizer), read_identity(loaded, engine),
+                          None if out is None else out.parent)
     return state, loaded, engine
 
 
@@ -142,7 +145,8 @@ def ask_many(ctx: typer.Context, source: str, questions: list[str], setup: Setup
     if saved:
         state, loaded, engine = open_saved(ctx, Path(source), setup)
     else:
-        state, loaded, engine = read_source(source, setup, checked.method, read.cache, checked.block, checked.kv_bits)
+        state, loaded, engine = read_source(source, setup, checked.method, read.cache, checked.block, checked.kv_bits,
+                                            save)
         if save is not None:
             report_read(state, save, state.save(save), loaded, engine, setup, False)
     answer_all(state, questions, loaded, engine, setup, read, checked.repetition, frame, recall)

@@ -22,7 +22,7 @@ import json
 import os
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -188,9 +188,10 @@ def remove_partial(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def atomic_write(path: Path, data: bytes | Sequence[bytes | memoryview]) -> None:
-    """Replace ``path`` with ``data`` (bytes, or parts written one after another, so that a large file need not be
-    joined in memory first) all at once (:func:`replace_file`); a failure is a :class:`KvcliError`.
+def atomic_write(path: Path, data: bytes | Sequence[bytes | memoryview | Iterable[bytes | memoryview]]) -> None:
+    """Replace ``path`` with ``data`` (bytes, or parts written one after another, each bytes or an iterable of
+    pieces, so that a large file need not be joined in memory first) all at once (:func:`replace_file`); a
+    failure is a :class:`KvcliError`.
 
     Only a regular file (or a new one) is replaced so: renaming over a device or a pipe would remove it.
     """
@@ -203,7 +204,8 @@ def atomic_write(path: Path, data: bytes | Sequence[bytes | memoryview]) -> None
         raise KvcliError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def replace_file(path: Path, data: bytes | Sequence[bytes | memoryview], *, mode: int = 0o666) -> None:
+def replace_file(path: Path, data: bytes | Sequence[bytes | memoryview | Iterable[bytes | memoryview]], *,
+                 mode: int = 0o666) -> None:
     """Replace ``path`` with ``data`` so that a reader, a kill or a power cut finds the old file or the new one.
 
     The bytes go to a new temporary file beside ``path`` (:func:`new_temporary`), are synced to disk, and the
@@ -216,7 +218,8 @@ def replace_file(path: Path, data: bytes | Sequence[bytes | memoryview], *, mode
     try:
         with os.fdopen(fd, "wb") as stream:
             for part in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
-                stream.write(part)
+                for piece in [part] if isinstance(part, bytes | bytearray | memoryview) else part:
+                    stream.write(piece)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)

@@ -47,17 +47,24 @@ The rules, and why:
   (docs/notes/2026-11-30-every-method-and-a-second-96k-read.md).
 * The pages of the prompt's start (the chat template) and the document's last tokens (read with the question in
   any case) are never recalled.
-* Memory: the keys and ids grow with the read (``layers x heads x (dim + 2) + 4`` bytes a token: 3,172 for
-  SmolLM2-135M), on the host and in the file; the device holds the cache, the recalled tokens and one block.
+* Memory: the keys grow with the read (``layers x heads x (dim + 2)`` bytes a token: 3,168 for SmolLM2-135M), on
+  disk only (:mod:`kvcli.reading.keystore`: spilled as each block is read, scored a range at a time), so the host's
+  memory stays flat but for the token ids (4 bytes a token, and 8 while a question is scored); the device holds the
+  cache, the recalled tokens and one block.
 """
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
 
 import torch
 
 from kvcli.kv.architecture import head_shape
+from kvcli.reading.keystore import KeyStore
 from kvcli.reading.recap import scored_layers
 
 #: Tokens per page of the index: the unit recalled.
@@ -69,8 +76,8 @@ KEEP_SHARE = 0.5
 #: A token's weight is its share times (the part of its word's share it takes) to this power (:func:`_page_shares`).
 DISTINCT = 2
 
-#: Tokens of the read scored at once by :func:`_page_shares`: its temporaries, ``[queries, CHUNK]`` floats, stay
-#: small enough for the processor's cache.
+#: Tokens of the read scored at once by :func:`_page_shares` (read from disk as one piece per layer and KV head):
+#: its temporaries, ``[queries, CHUNK]`` floats, stay a few megabytes.
 CHUNK = 1 << 15
 
 #: What :class:`PageIndex` stores, recorded in a saved read: a file without it has no index this kvcli can use.
@@ -80,22 +87,22 @@ _HALF = torch.finfo(torch.float16)
 
 
 class PageIndex:
-    """Every token of a read: its keys before RoPE in the middle layers as int8 (``[tokens, layers, heads, dim]``)
-    with a float16 scale per token and KV head, and the read's token ids, for :func:`select`."""
+    """Every token of a read: its keys before RoPE in the middle layers as int8 with a float16 scale per token and
+    KV head, spilled to disk as each block is read (:class:`kvcli.reading.keystore.KeyStore`), and the read's token
+    ids, for :func:`select`. ``folder``: where the spill goes (None: the system's temporary folder)."""
 
-    def __init__(self, layers: list[int], heads: int, dim: int, page: int = PAGE):
+    def __init__(self, layers: list[int], heads: int, dim: int, page: int = PAGE, folder: Path | None = None):
         self.layers, self.heads, self.dim, self.page = layers, heads, dim, page
-        self.keys: list[torch.Tensor] = []  # per block: [n, layers, heads, dim] int8
-        self.scales: list[torch.Tensor] = []  # per block: [n, layers, heads] float16
-        self.ids: list[int] = []
+        self.store = KeyStore.spill(len(layers), heads, dim, folder)
+        self.ids = array("i")
         self.usable = True  # False once a layer saw only some tokens of a block (a nested read)
         self._keys: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def for_model(cls, model, windows: list[int | None]) -> PageIndex:
+    def for_model(cls, model, windows: list[int | None], folder: Path | None = None) -> PageIndex:
         """The index of ``model``, whose layers have attention ``windows`` (None: none): :func:`recall_layers`."""
         heads, dim = head_shape(model.config)
-        return cls(recall_layers(scored_layers(model.config.num_hidden_layers), windows), heads, dim)
+        return cls(recall_layers(scored_layers(model.config.num_hidden_layers), windows), heads, dim, folder=folder)
 
     @contextmanager
     def recording(self, decoder):
@@ -110,19 +117,11 @@ class PageIndex:
         if not self.usable or any(k is None or k.shape[0] != len(ids) for k in keys):
             self.usable = False
             return
-        rows = torch.stack(keys, dim=1).float()  # [n, layers, heads, dim]
-        values, scale = quantize(rows)
-        self.keys.append(values.cpu())
-        self.scales.append(scale.cpu())
+        values, scale = quantize(torch.stack(keys, dim=1).float())  # [n, layers, heads, dim]
+        self.store.append(values.cpu(), scale.cpu())
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """What a saved read stores of the index: every token's rounded keys and scales, and the ids read. The
-        blocks are joined once and kept joined, so the index is never held twice."""
-        shape = (0, len(self.layers), self.heads)
-        self.keys = [_joined(self.keys) if self.keys else torch.zeros((*shape, self.dim), dtype=torch.int8)]
-        self.scales = [_joined(self.scales) if self.scales else torch.zeros(shape, dtype=torch.float16)]
-        return {"recall.keys": self.keys[0], "recall.scales": self.scales[0],
-                "recall.ids": torch.tensor(self.ids, dtype=torch.int32)}
+    def token_ids(self) -> torch.Tensor:
+        return torch.frombuffer(self.ids, dtype=torch.int32).clone() if self.ids else torch.zeros(0, dtype=torch.int32)
 
     def facts(self) -> dict:
         return {"layers": self.layers, "heads": self.heads, "dim": self.dim, "page": self.page,
@@ -136,19 +135,6 @@ def recall_layers(layers, windows: list[int | None]) -> list[int]:
     return free or list(layers)
 
 
-def _joined(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """``blocks`` joined along the first dimension, each block let go once copied (the list is emptied), so that
-    a long read's index is never held twice (``torch.cat`` would hold every block and the whole at once)."""
-    first = blocks[0]
-    whole = torch.empty((sum(b.shape[0] for b in blocks), *first.shape[1:]), dtype=first.dtype)
-    at = 0
-    while blocks:
-        block = blocks.pop(0)
-        whole[at:at + block.shape[0]] = block
-        at += block.shape[0]
-    return whole
-
-
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` ``[..., dim]`` as int8 and one float16 scale per row: ``rows ~= values * scale``, each element
     within half a scale step, the scale the row's largest magnitude over 127 within float16's normal range (a row
@@ -158,14 +144,14 @@ def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale
 
 
-def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix: list[int],
+def select(engine, cache, store: KeyStore, ids: torch.Tensor, facts: dict, suffix: list[int],
            span: tuple[int, int] | None, tokens: int, first: int) -> list[int]:
     """The ids of the pages the question points at most (:func:`heaviest_last`), at most ``tokens`` of them; never a
-    page before stream index ``first`` (the prompt's start). The queries are those of the ``suffix``'s tokens in
-    ``span`` (the question's own words; None: all) from a pass of the suffix after ``cache``, which keeps nothing of
-    it."""
-    keys, scales, page = tensors["recall.keys"], tensors["recall.scales"], int(facts["page"])
-    pages = keys.shape[0] // page
+    page before stream index ``first`` (the prompt's start). ``store`` and ``ids`` are the read's index
+    (:class:`PageIndex`, or a saved read's). The queries are those of the ``suffix``'s tokens in ``span`` (the
+    question's own words; None: all) from a pass of the suffix after ``cache``, which keeps nothing of it."""
+    page = int(facts["page"])
+    pages = store.tokens // page
     count = min(tokens // page, pages)
     if count < 1 or not suffix:
         return []
@@ -175,19 +161,17 @@ def select(engine, cache, tensors: dict[str, torch.Tensor], facts: dict, suffix:
         engine.probe(cache, torch.tensor([suffix], dtype=torch.long))
     start, end = span or (0, len(suffix))
     weight = torch.zeros(pages)
-    _, words = torch.unique(tensors["recall.ids"][: pages * page].long(), return_inverse=True)
+    _, words = torch.unique(ids[: pages * page].long(), return_inverse=True)
     used = recall_layers(facts["layers"], engine.architecture.windows)  # an older file kept windowed layers too
     for j, layer in enumerate(facts["layers"]):
         if layer not in used:
             continue
-        q = queries[layer][start:end].float().cpu().unflatten(1, (keys.shape[2], -1))  # [n, H, group, D]
-        for head in range(keys.shape[2]):
-            weight += _page_shares(q[:, head].flatten(0, 1), keys[: pages * page, j, head],
-                                   scales[: pages * page, j, head], page, words) / keys.shape[2]
+        q = queries[layer][start:end].float().cpu().unflatten(1, (store.heads, -1))  # [n, H, group, D]
+        for head in range(store.heads):
+            pieces = partial(store.pieces, j, head, pages * page, CHUNK)
+            weight += _page_shares(q[:, head].flatten(0, 1), pieces, page, words) / store.heads
     weight[: -(-first // page)] = -1.0  # pages that hold the prompt's start
-    chosen = heaviest_last(weight, count)
-    ids = tensors["recall.ids"].tolist()
-    return [token for p in chosen for token in ids[p * page:(p + 1) * page]]
+    return [token for p in heaviest_last(weight, count) for token in ids[p * page:(p + 1) * page].tolist()]
 
 
 def heaviest_last(weight: torch.Tensor, count: int, share: float = KEEP_SHARE) -> list[int]:
@@ -211,37 +195,47 @@ def heaviest_last(weight: torch.Tensor, count: int, share: float = KEEP_SHARE) -
     return [p for run in runs for p in run]
 
 
-def _page_shares(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, page: int,
-                 words: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
+def _page_shares(queries: torch.Tensor, pieces: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+                 page: int, words: torch.Tensor | None = None) -> torch.Tensor:
     """Per page: the largest weight any of ``queries`` ``[m, D]`` gives one of its tokens, each query attending to
-    every token of ``keys`` ``[T, D]`` (int8, ``scales`` ``[T]``), ``T`` whole pages. A token's weight is its share
-    ``s`` times ``(s / S) ** DISTINCT``, ``S`` the query's share of every token of the same word (``words`` ``[T]``:
-    each token's word, numbered from 0; None: every token a word of its own, the weight the share).
+    every token of the keys ``pieces()`` gives in order (int8 ``[n, D]`` and their scales ``[n]``, ``n`` whole
+    pages). A token's weight is its share ``s`` times ``(s / S) ** DISTINCT``, ``S`` the query's share of every token
+    of the same word (``words`` ``[T]``: each token's word, numbered from 0; None: every token a word of its own, the
+    weight the share).
 
-    Computed ``chunk`` tokens at a time and in logs, ``log w = (1 + DISTINCT) l - DISTINCT log U - log Z`` for a
-    token's logit ``l``, its word's ``U`` (the sum of ``exp l`` over the word's tokens) and the softmax's ``Z``, all
-    taken from the largest logit: the read's whole ``[m, T]`` would otherwise pass through memory once for every
-    step of the formula, and ``exp`` is monotone, so a page's largest weight is the exp of its largest log."""
-    chunk = max(page, chunk // page * page)
-    parts = [slice(at, at + chunk) for at in range(0, keys.shape[0], chunk)]
-    logits = [(queries @ keys[p].float().T) * (scales[p].float() / queries.shape[-1] ** 0.5) for p in parts]
-    top = torch.stack([part.amax(dim=1) for part in logits]).amax(dim=0).unsqueeze(1)
+    Two passes over the pieces, in logs: the first finds each query's largest logit and, from it, the softmax's
+    ``Z`` and every word's ``U`` (the sum of ``exp l`` over the word's tokens), rescaled as a larger logit comes, as
+    online softmax does; the second gives a token ``log w = (1 + DISTINCT) l - DISTINCT log U - log Z`` and a page
+    its tokens' largest (``exp`` is monotone). So the read is never held whole: only a piece, ``[m, n]`` logits, and
+    per query a sum per word."""
+    top = queries.new_full((queries.shape[0],), -torch.inf)
     total = queries.new_zeros(queries.shape[0])
     per_word = None if words is None else queries.new_zeros(queries.shape[0], int(words.max()) + 1)
-    for p, part in zip(parts, logits, strict=True):
-        part -= top
-        shares = part.exp()
-        total += shares.sum(dim=1)
+    at = 0
+    for keys, scales in pieces():
+        logits = _logits(queries, keys, scales)
+        highest = torch.maximum(top, logits.amax(dim=1))
+        fade = (top - highest).exp()  # 0 at the first piece, where top is -inf
+        shares = (logits - highest.unsqueeze(1)).exp()
+        total = total * fade + shares.sum(dim=1)
         if per_word is not None:
-            per_word.index_add_(1, words[p], shares)
+            per_word.mul_(fade.unsqueeze(1)).index_add_(1, words[at:at + keys.shape[0]], shares)
+        top, at = highest, at + keys.shape[0]
     if per_word is not None:
         per_word = per_word.clamp_min(torch.finfo(per_word.dtype).tiny).log_()
-    heaviest = []
-    for p, part in zip(parts, logits, strict=True):
+    heaviest, at, log_total = [], 0, total.log().unsqueeze(1)
+    for keys, scales in pieces():
+        logits = _logits(queries, keys, scales) - top.unsqueeze(1)
         if per_word is not None:  # l - log U <= 0: a token takes at most its word's share (clamped where U underflows)
-            part += DISTINCT * (part - per_word[:, words[p]]).clamp_max_(0)
-        heaviest.append(part.unflatten(-1, (-1, page)).amax(dim=-1))
-    return (torch.cat(heaviest, dim=1) - total.log().unsqueeze(1)).exp().amax(dim=0)
+            logits += DISTINCT * (logits - per_word[:, words[at:at + keys.shape[0]]]).clamp_max_(0)
+        heaviest.append((logits.unflatten(-1, (-1, page)).amax(dim=-1) - log_total).exp().amax(dim=0))
+        at += keys.shape[0]
+    return torch.cat(heaviest) if heaviest else queries.new_zeros(0)
+
+
+def _logits(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``[m, n]``: each query's scaled dot product with each int8 key times its scale."""
+    return (queries @ keys.float().T) * (scales.float() / queries.shape[-1] ** 0.5)
 
 
 def before_rope(output: torch.Tensor, attention, kind: str, heads: int, dim: int) -> torch.Tensor:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,10 +28,11 @@ import torch
 
 from kvcli.errors import KvcliError
 from kvcli.io.outputs import atomic_write
-from kvcli.io.tensorfile import TensorFileError, data_of, file_parts, header_of, read_tensors
+from kvcli.io.tensorfile import TensorFile, TensorFileError, file_parts
 from kvcli.kv.quant import nbytes
 from kvcli.kv.snapshot import SnapshotError, restore_cache, snapshot_cache
 from kvcli.reading.generate import Generation
+from kvcli.reading.keystore import KeyStore
 from kvcli.reading.prompts import PromptParts, build_prompt, question_instruction
 from kvcli.reading.recall import KIND as RECALL_KIND
 from kvcli.reading.recall import PageIndex, select
@@ -42,7 +42,7 @@ __all__ = ["FORMAT", "SUFFIX", "ReadState", "answer", "identity_difference", "is
            "read_identity", "read_once"]
 
 #: The header's name for the format, and its version (bumped whenever an older file could be misread).
-FORMAT, VERSION = "kvcli-read", 2
+FORMAT, VERSION = "kvcli-read", 3
 #: The file name ending ``kvcli read --out`` suggests and ``kvcli ask`` recognises a saved read by.
 SUFFIX = ".kvc"
 #: Longest JSON header a saved read may have (the cache's facts are a few hundred bytes per layer).
@@ -63,8 +63,10 @@ class ReadState:
     max_cache_tokens: int
     read_seconds: float
     identity: dict = field(default_factory=dict)  # model, method, budget, block, kv_bits, dtype, source
-    #: The pages of the read for recall (:class:`kvcli.reading.recall.PageIndex`): their tensors and facts.
-    recall_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: The read's index for recall (:class:`kvcli.reading.recall.PageIndex`): its keys on disk (None: none kept),
+    #: every token's id and its facts.
+    recall_keys: KeyStore | None = None
+    recall_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))
     recall_facts: dict = field(default_factory=dict)
 
     def cache(self, engine):
@@ -76,43 +78,49 @@ class ReadState:
 
     # --- the file -------------------------------------------------------------------------------------------------
     def recall_bytes(self) -> int:
-        """Bytes of the recall index (every token's keys, scales and ids): it grows with the document, on the host
-        and in the file, where the cache does not."""
-        return sum(nbytes(tensor) for tensor in self.recall_tensors.values())
+        """Bytes of the recall index (every token's keys, scales and ids): it grows with the document, on disk and
+        in the file, where the cache does not."""
+        return (self.recall_keys.nbytes if self.recall_keys else 0) + nbytes(self.recall_ids)
 
     def can_recall(self) -> bool:
         """Whether the read kept an index this kvcli recalls from (not a nested read, not an older file's)."""
-        return bool(self.recall_facts.get("usable")) and self.recall_facts.get("kind") == RECALL_KIND
+        return (self.recall_keys is not None and bool(self.recall_facts.get("usable"))
+                and self.recall_facts.get("kind") == RECALL_KIND)
 
     def save(self, path: Path) -> int:
         """Write the state to ``path`` at once; return the file's size in bytes. The data is written tensor by
-        tensor, never joined in memory (:func:`kvcli.io.tensorfile.file_parts`)."""
+        tensor, the recall index a layer and head at a time from its spill, never joined in memory
+        (:func:`kvcli.io.tensorfile.file_parts`)."""
         header = {"format": FORMAT, "version": VERSION, "identity": self.identity, "cache": self.facts,
                   "prefix": self.prefix, "pending": self.pending, "read_tokens": self.read_tokens,
                   "document_tokens": self.document_tokens, "max_cache_tokens": self.max_cache_tokens,
                   "read_seconds": self.read_seconds, "recall": self.recall_facts}
-        parts, _ = file_parts({**self.tensors, **self.recall_tensors}, {FORMAT: json.dumps(header, default=str)},
-                              sealed=FORMAT)
+        recall: dict = {"recall.ids": self.recall_ids}
+        if self.recall_keys is not None:
+            recall["recall.keys"], recall["recall.scales"] = self.recall_keys.streamed()
+        parts, _ = file_parts({**self.tensors, **recall}, {FORMAT: json.dumps(header, default=str)}, sealed=FORMAT)
         atomic_write(Path(path), parts)
-        return sum(len(part) for part in parts)
+        return Path(path).stat().st_size
 
     @classmethod
     def load(cls, path: Path) -> ReadState:
-        """The state saved at ``path``; whatever is not a whole saved read of this version is one line. The file is
-        read once into memory and its tensors are views of it (:func:`kvcli.io.tensorfile.read_tensors`)."""
-        raw = _read(Path(path))
-        header = _header(raw, path)
-        if header.get("data_sha256") != hashlib.sha256(data_of(raw)).hexdigest():
-            raise KvcliError(f"{path} is a damaged saved read (its checksum does not match: cut short or altered): "
-                             "read the book again")
+        """The state saved at ``path``; whatever is not a whole saved read of this version is one line. The cache
+        is read into memory; the recall index stays in the file, which is kept open, and is read a range at a time
+        (:class:`kvcli.reading.keystore.KeyStore`)."""
+        file = _open(Path(path))
+        header = _header(file, path)
         try:
-            tensors, _ = read_tensors(raw)
-            recall = {name: tensors.pop(name) for name in [n for n in tensors if n.startswith("recall.")]}
+            if header.get("data_sha256") != file.sha256():
+                raise KvcliError(f"{path} is a damaged saved read (its checksum does not match: cut short or altered): "
+                                 "read the book again")
+            tensors = {name: file.load(name) for name in file.entries if not name.startswith("recall.")}
+            recall = dict(header.get("recall") or {})
+            ids = file.load("recall.ids") if "recall.ids" in file.entries else torch.zeros(0, dtype=torch.int32)
             return cls(tensors, dict(header["cache"]), _ids(header["prefix"]), _ids(header["pending"]),
                        _count(header["read_tokens"]), _count(header["document_tokens"]),
                        _count(header["max_cache_tokens"]), float(header["read_seconds"]), dict(header["identity"]),
-                       recall, dict(header.get("recall") or {}))
-        except (KeyError, TypeError, ValueError) as exc:
+                       _keys(file, recall, ids), ids, recall)
+        except (KeyError, TypeError, ValueError, OSError) as exc:
             raise KvcliError(f"{path} is a damaged saved read ({type(exc).__name__}: {exc}): read the book again"
                              ) from None
 
@@ -136,8 +144,8 @@ def recalled(reader, state: ReadState, cache, parts: PromptParts, tokens: int) -
         raise KvcliError("this read has no recall index this kvcli can use (a read that nests its layers, "
                          "pyramidinfer; a method whose cache takes no probe, pod; or a file of an older kvcli): ask "
                          "without --recall, or read the book again")
-    return select(reader.engine, cache, state.recall_tensors, state.recall_facts, parts.suffix, parts.question_span,
-                  tokens, len(state.prefix))
+    return select(reader.engine, cache, state.recall_keys, state.recall_ids, state.recall_facts, parts.suffix,
+                  parts.question_span, tokens, len(state.prefix))
 
 
 def identity_difference(key: str, saved, current) -> str:
@@ -154,29 +162,24 @@ def is_saved_read(source: str) -> bool:
     return source.endswith(SUFFIX) and Path(source).is_file()
 
 
-def _read(path: Path) -> bytearray:
-    """The bytes of ``path`` in one writable buffer (the tensors are views of it), or one line saying why not."""
+def _open(path: Path) -> TensorFile:
+    """``path`` opened as a safetensors file (its header read), or one line saying why not."""
     try:
-        with path.open("rb") as stream:
-            raw = bytearray(os.fstat(stream.fileno()).st_size)
-            if stream.readinto(raw) != len(raw):
-                raise OSError("the file changed while it was read")
+        stream = path.open("rb")
     except OSError as exc:
         raise KvcliError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return raw
-
-
-def _header(raw: bytearray, path: Path) -> dict:
-    """The ``kvcli-read`` header of a safetensors file, or one line saying why ``raw`` is not a saved read."""
     try:
-        if int.from_bytes(raw[:8], "little") > MAX_HEADER:
-            raise TensorFileError("header too long")
-        metadata = header_of(raw).get("__metadata__") or {}
-    except TensorFileError:
+        return TensorFile(stream, MAX_HEADER)
+    except (TensorFileError, OSError):
+        stream.close()
         raise KvcliError(f"{path} is not a saved read (not a safetensors file, or cut short): read the book with "
                          "`kvcli read SOURCE --out FILE.kvc`") from None
+
+
+def _header(file: TensorFile, path: Path) -> dict:
+    """The ``kvcli-read`` header of ``file``, or one line saying why it is not a saved read of this version."""
     try:
-        header = json.loads(metadata.get(FORMAT, "null"))
+        header = json.loads(file.metadata.get(FORMAT, "null"))
     except (ValueError, AttributeError, TypeError):
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -185,6 +188,20 @@ def _header(raw: bytearray, path: Path) -> dict:
         raise KvcliError(f"{path} is a saved read of format version {header.get('version')!r}; this kvcli reads "
                          f"version {VERSION}: read the book again")
     return header
+
+
+def _keys(file: TensorFile, facts: dict, ids: torch.Tensor) -> KeyStore | None:
+    """The recall index's keys in ``file`` where ``facts`` say the read kept a usable one, checked to hold the
+    layers, heads and dim the facts name for every token of ``ids``."""
+    if not facts.get("usable") or facts.get("kind") != RECALL_KIND:
+        return None
+    layers, heads, dim = len(facts["layers"]), _count(facts["heads"]), _count(facts["dim"])
+    keys, scales = file.entries["recall.keys"], file.entries["recall.scales"]
+    tokens = ids.shape[0]
+    if keys.shape != [layers, heads, tokens, dim] or keys.dtype != torch.int8 or \
+            scales.shape != [layers, heads, tokens] or scales.dtype != torch.float16:
+        raise ValueError("the recall index does not hold what its facts say")
+    return KeyStore.in_file(file.stream, layers, heads, dim, tokens, keys.begin, scales.begin)
 
 
 def _ids(value) -> list[int]:
@@ -223,11 +240,14 @@ def prompt_parts(tokenizer, question: str, answer_prefix: str = "", frame: bool 
     return build_prompt(tokenizer, question_instruction(question or "?", answer_prefix, frame=frame))
 
 
-def read_once(reader, document: Iterable[list[int]], identity: dict | None = None) -> ReadState:
+def read_once(reader, document: Iterable[list[int]], identity: dict | None = None,
+              spill: Path | None = None) -> ReadState:
     """Read ``document`` (chunks of token ids, :func:`kvcli.reading.reader.document_tokens`) with ``reader`` without a
     question (no probe, no recap: the question is not known yet), every whole block but the last into the cache,
     after the prompt's start. ``identity`` (:func:`read_identity`: what the read is valid for) goes with it, the
-    SHA-256 and count of the document's tokens added under ``source``."""
+    SHA-256 and count of the document's tokens added under ``source``. ``spill``: the folder of the recall index's
+    temporary file (None: the system's temporary folder; a saved read's own folder keeps it on the disk it goes
+    to)."""
     started = time.perf_counter()
     result = Generation()
     cache = reader.engine.new_cache()
@@ -240,7 +260,7 @@ def read_once(reader, document: Iterable[list[int]], identity: dict | None = Non
 
     prefix = prompt_parts(reader.tokenizer, "").prefix
     pending = list(prefix)
-    index = PageIndex.for_model(reader.engine.model, reader.engine.architecture.windows)
+    index = PageIndex.for_model(reader.engine.model, reader.engine.architecture.windows, spill)
     with index.recording(reader.engine.decoder):
         read = reader.read_blocks(cache, pending, hashed(), result, started, after=index.add)
     tokens = read + len(pending) - len(prefix)
@@ -249,8 +269,8 @@ def read_once(reader, document: Iterable[list[int]], identity: dict | None = Non
     tensors, facts = snapshot_cache(cache)
     source = {"tokens": tokens, "tokens_sha256": digest.hexdigest()}
     return ReadState(tensors, facts, list(prefix), pending, read, tokens, result.max_cache_tokens,
-                     time.perf_counter() - started, {**(identity or {}), "source": source}, index.tensors(),
-                     index.facts())
+                     time.perf_counter() - started, {**(identity or {}), "source": source},
+                     index.store if index.usable else None, index.token_ids(), index.facts())
 
 
 def answer(reader, state: ReadState, question: str | PromptParts, max_new_tokens: int = 128,
