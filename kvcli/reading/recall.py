@@ -206,36 +206,43 @@ def _page_shares(queries: torch.Tensor, pieces: Callable[[], Iterable[tuple[torc
     Two passes over the pieces, in logs: the first finds each query's largest logit and, from it, the softmax's
     ``Z`` and every word's ``U`` (the sum of ``exp l`` over the word's tokens), rescaled as a larger logit comes, as
     online softmax does; the second gives a token ``log w = (1 + DISTINCT) l - DISTINCT log U - log Z`` and a page
-    its tokens' largest (``exp`` is monotone). So the read is never held whole: only a piece, ``[m, n]`` logits, and
+    its tokens' largest (``exp`` is monotone). So the read is never held whole: only a piece, ``[n, m]`` logits, and
     per query a sum per word."""
-    top = queries.new_full((queries.shape[0],), -torch.inf)
-    total = queries.new_zeros(queries.shape[0])
+    top = queries.new_full((queries.shape[0], 1), -torch.inf)
+    total = queries.new_zeros(queries.shape[0], 1)
     per_word = None if words is None else queries.new_zeros(queries.shape[0], int(words.max()) + 1)
     at = 0
-    for keys, scales in pieces():
-        logits = _logits(queries, keys, scales)
-        highest = torch.maximum(top, logits.amax(dim=1))
+    for keys, scales in pieces():  # [m, n]: each query's row whole, for its largest logit and its sums
+        logits = _logits(queries, keys, scales, by_token=False)
+        highest = torch.maximum(top, logits.amax(dim=1, keepdim=True))
         fade = (top - highest).exp()  # 0 at the first piece, where top is -inf
-        shares = (logits - highest.unsqueeze(1)).exp()
-        total = total * fade + shares.sum(dim=1)
+        shares = (logits - highest).exp()
+        total = total * fade + shares.sum(dim=1, keepdim=True)
         if per_word is not None:
-            per_word.mul_(fade.unsqueeze(1)).index_add_(1, words[at:at + keys.shape[0]], shares)
+            per_word.mul_(fade).index_add_(1, words[at:at + keys.shape[0]], shares)
         top, at = highest, at + keys.shape[0]
+    top = top.squeeze(1)
     if per_word is not None:
-        per_word = per_word.clamp_min(torch.finfo(per_word.dtype).tiny).log_()
-    heaviest, at, log_total = [], 0, total.log().unsqueeze(1)
-    for keys, scales in pieces():
-        logits = _logits(queries, keys, scales) - top.unsqueeze(1)
+        # log U, no longer taken from the largest logit; [words, m], copied so that a token's row is whole to gather
+        per_word = per_word.T.contiguous().clamp_min_(torch.finfo(per_word.dtype).tiny).log_().add_(top)
+    heaviest, at, log_total = [], 0, top + total.squeeze(1).log()
+    for keys, scales in pieces():  # [n, m]: each token's row whole, for its word's sums and its largest weight
+        logits = _logits(queries, keys, scales, by_token=True)
         if per_word is not None:  # l - log U <= 0: a token takes at most its word's share (clamped where U underflows)
-            logits += DISTINCT * (logits - per_word[:, words[at:at + keys.shape[0]]]).clamp_max_(0)
-        heaviest.append((logits.unflatten(-1, (-1, page)).amax(dim=-1) - log_total).exp().amax(dim=0))
+            logits += DISTINCT * (logits - per_word.index_select(0, words[at:at + keys.shape[0]])).clamp_max_(0)
+        heaviest.append((logits - log_total).amax(dim=1).unflatten(0, (-1, page)).amax(dim=1).exp())
         at += keys.shape[0]
     return torch.cat(heaviest) if heaviest else queries.new_zeros(0)
 
 
-def _logits(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``[m, n]``: each query's scaled dot product with each int8 key times its scale."""
-    return (queries @ keys.float().T) * (scales.float() / queries.shape[-1] ** 0.5)
+def _logits(queries: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, by_token: bool) -> torch.Tensor:
+    """Each query's scaled dot product with each int8 key times its scale: ``[n, m]`` (``by_token``) or ``[m, n]``,
+    made in the layout its use reduces or gathers along, as torch's CPU kernels are several times slower across
+    rows than along them."""
+    scale = scales.float() / queries.shape[-1] ** 0.5
+    if by_token:
+        return (keys.float() @ queries.T) * scale.unsqueeze(1)
+    return (queries @ keys.float().T) * scale
 
 
 def before_rope(output: torch.Tensor, attention, kind: str, heads: int, dim: int) -> torch.Tensor:
