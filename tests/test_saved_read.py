@@ -45,6 +45,7 @@ def test_saved_read_answers_as_a_fresh_ask_without_probe(invoke, tiny_model_dir,
     assert made.exit_code == 0, made.stderr
     info = json.loads(made.stdout)
     assert info["file_bytes"] == saved.stat().st_size and info["document_tokens"] > 32 * 3
+    assert info["peak_memory_bytes"] > 0
     state = ReadState.load(saved)  # every token read, its keys in 8 bits and a scale per KV head, and its id
     layers, heads, dim = len(state.recall_facts["layers"]), state.recall_facts["heads"], state.recall_facts["dim"]
     assert info["recall_index_bytes"] == len(state.recall_ids) * (layers * heads * (dim + 2) + 4)

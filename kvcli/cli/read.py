@@ -105,12 +105,14 @@ def read_source(source: str, setup: Setup, method, cache: int, block: int, kv_bi
 
 def report_read(state: ReadState, out: Path, size: int, loaded, engine, setup: Setup, json_out: bool) -> None:
     """What ``kvcli read`` made: one JSON object on stdout with ``--json``, else a line on stderr."""
-    from kvcli.io.report import dumps, mib, print_result
+    from kvcli.io.report import dumps, mib, peak_memory_bytes, print_result
 
     tokens = state.document_tokens
     index = state.recall_bytes()
+    peak = peak_memory_bytes(loaded.device)
     if json_out:
         print_result(dumps({"out": str(out), "file_bytes": size, "recall_index_bytes": index, "document_tokens": tokens,
+                            "peak_memory_bytes": peak,
                             "pending_tokens": len(state.pending), "max_cache_tokens": state.max_cache_tokens,
                             "read_seconds": state.read_seconds, "model": loaded.name, "method": engine.method.name,
                             "params": engine.method.settings(), "cache": engine.budget, "block": engine.block,
@@ -119,7 +121,8 @@ def report_read(state: ReadState, out: Path, size: int, loaded, engine, setup: S
     setup.note(f"read {tokens:,} tokens in {state.read_seconds:.1f} s into {out} ({mib(size)}, "
                f"{size / tokens:,.0f} bytes per token read, {mib(index)} of them the recall index) · {loaded.name} · "
                f"{engine.method.name} · cache "
-               f"{'unbounded' if engine.budget is None else f'{engine.budget:,} tokens/layer'} · block {engine.block}")
+               f"{'unbounded' if engine.budget is None else f'{engine.budget:,} tokens/layer'} · "
+               f"block {engine.block} · peak memory {mib(peak)}")
 
 
 def ask_many(ctx: typer.Context, source: str, questions: list[str], setup: Setup, read: ReadOptions,
