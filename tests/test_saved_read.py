@@ -445,3 +445,8 @@ def test_a_spill_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
         store.append(torch.zeros(2, 1, 1, 4, dtype=torch.int8), torch.ones(2, 1, 1, dtype=torch.float16))
     with pytest.raises(KvcliError, match="cannot make the recall index's temporary file"):
         KeyStore.spill(1, 1, 4, tmp_path / "missing")
+    kept = KeyStore.spill(1, 1, 4, tmp_path)
+    kept.append(torch.zeros(2, 1, 1, 4, dtype=torch.int8), torch.ones(2, 1, 1, dtype=torch.float16))
+    kept.stream.truncate(3)  # the file cut short under its segments
+    with pytest.raises(KvcliError, match="cannot read the recall index: .*ends sooner"):
+        kept.read(0, 0, 0, 2)

@@ -122,11 +122,10 @@ class TensorFile:
 
     def read(self, begin: int, size: int) -> bytearray:
         """``size`` bytes of the file from ``begin``."""
-        buffer = bytearray(size)
-        self.stream.seek(begin)
-        if self.stream.readinto(buffer) != size:
-            raise TensorFileError("the file is shorter than its header says")
-        return buffer
+        try:
+            return read_at(self.stream, begin, size)
+        except EOFError:
+            raise TensorFileError("the file is shorter than its header says") from None
 
     def load(self, name: str) -> torch.Tensor:
         """The tensor ``name``, read into memory."""
@@ -141,6 +140,16 @@ class TensorFile:
         for begin in range(self.data, self.size, PIECE):
             digest.update(self.read(begin, min(PIECE, self.size - begin)))
         return digest.hexdigest()
+
+
+def read_at(stream: BinaryIO, begin: int, size: int) -> bytearray:
+    """``size`` bytes of ``stream`` from byte ``begin``, in a new writable buffer (tensors may be views of it); an
+    :class:`EOFError` where the stream ends sooner."""
+    buffer = bytearray(size)
+    stream.seek(begin)
+    if stream.readinto(buffer) != size:
+        raise EOFError(f"{size} bytes from byte {begin}: the file ends sooner")
+    return buffer
 
 
 def _entries(header: dict, data: int, size: int) -> dict[str, Entry]:

@@ -21,7 +21,7 @@ from typing import BinaryIO
 import torch
 
 from kvcli.errors import KvcliError
-from kvcli.io.tensorfile import Streamed
+from kvcli.io.tensorfile import Streamed, read_at
 
 
 @dataclass(frozen=True)
@@ -114,14 +114,10 @@ class KeyStore:
                 Streamed(torch.float16, shape, part("scales", 2)))
 
     def _bytes(self, at: int, size: int) -> bytearray:
-        buffer = bytearray(size)
         try:
-            self.stream.seek(at)
-            if self.stream.readinto(buffer) != size:
-                raise OSError("the file is shorter than its segments")
-        except OSError as exc:
-            raise KvcliError(f"cannot read the recall index: {exc.strerror or exc}") from None
-        return buffer
+            return read_at(self.stream, at, size)
+        except (OSError, EOFError) as exc:
+            raise KvcliError(f"cannot read the recall index: {getattr(exc, 'strerror', None) or exc}") from None
 
     def _read(self, at: int, size: int) -> torch.Tensor:
         return torch.frombuffer(self._bytes(at, size), dtype=torch.int8) if size else torch.zeros(0, dtype=torch.int8)

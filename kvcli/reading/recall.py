@@ -223,7 +223,8 @@ def _page_shares(queries: torch.Tensor, pieces: Callable[[], Iterable[tuple[torc
         top, at = highest, at + keys.shape[0]
     top = top.squeeze(1)
     if per_word is not None:
-        # log U, no longer taken from the largest logit; [words, m], copied so that a token's row is whole to gather
+        # log U itself (the first pass kept it less the largest logit); [words, m], copied so that a token's row is
+        # whole to gather
         per_word = per_word.T.contiguous().clamp_min_(torch.finfo(per_word.dtype).tiny).log_().add_(top)
     heaviest, at, log_total = [], 0, top + total.squeeze(1).log()
     for keys, scales in pieces():  # [n, m]: each token's row whole, for its word's sums and its largest weight
