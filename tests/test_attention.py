@@ -132,3 +132,33 @@ def test_the_cpu_does_not_wait_for_window_scores(monkeypatch):
     engine.forward(cache, torch.randint(0, 128, (1, 1100)), question=8)  # a one-shot prefill: SDPA on the CPU
     engine.forward(cache, torch.randint(0, 128, (1, 24)))
     assert waited == [0, 0]
+
+
+@pytest.mark.parametrize("dtype,queries,cached,recorded,softcap,explicit", [
+    (torch.bfloat16, 256, 1024, 8, None, True),     # 16 bits: the explicit matmuls, probabilities for free
+    (torch.float32, 256, 1024, 8, None, False),     # float32: SDPA's fused kernel, the window on the side
+    (torch.float32, 256, 1024, 128, None, True),    # half the block scored (H2O): computed once, explicitly
+    (torch.float32, 1, 1024, 0, None, False),       # a generated token
+    (torch.bfloat16, 2048, 0, 2048, None, False),   # a long prefill into an empty cache: the causal kernel
+    (torch.float32, 256, 1024, 8, 30.0, True),      # soft-capping: only the explicit path has it
+])
+def test_the_cpu_takes_the_explicit_path_for_16_bits_and_for_blocks_mostly_scored(dtype, queries, cached, recorded,
+                                                                                    softcap, explicit):
+    from kvcli.kv.attention import takes_explicit
+
+    query = torch.zeros(1, 4, queries, 8, dtype=dtype)
+    key = torch.zeros(1, 2, cached + queries, 8, dtype=dtype)
+    assert takes_explicit(query, key, None, softcap=softcap, recorded=recorded) is explicit
+
+
+def test_float32_blocks_on_either_cpu_path_give_the_same_output_and_scores():
+    """The two CPU paths agree in float32: a block against a cache (GQA), its window's probabilities included."""
+    from kvcli.kv.attention import sdpa_attention
+
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 4, 16, 8, generator=generator)
+    key, value = torch.randn(2, 1, 2, 40, 8, generator=generator)
+    want, want_scores = explicit_attention(query, key, value, 8 ** -0.5, 4, skip=2)
+    got, got_scores = sdpa_attention(query, key, value, None, 8 ** -0.5, 4, skip=2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_scores, want_scores, atol=1e-6, rtol=1e-5)

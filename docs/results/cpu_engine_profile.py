@@ -5,8 +5,9 @@
         --methods streamingllm,snapkv,h2o,treekv
 
 ``profile``: the top operators of one streamingllm run (cache 1,024, block 256) under ``torch.profiler``.
-``sdpa``: each method's tokens/s and perplexity on the explicit CPU attention and inside
-:func:`kvcli.kv.attention.sdpa_everywhere`, in one process. Run alone on the machine (docs/benchmarks.md).
+``sdpa``: each method's tokens/s and perplexity with every block on the explicit CPU attention, with kvcli's
+choice of path (:func:`kvcli.kv.attention.takes_explicit`) and inside :func:`kvcli.kv.attention.sdpa_everywhere`,
+in one process. Run alone on the machine (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from kvcli.engine.engine import Engine
 from kvcli.eval.bench.throughput import first_tokens, open_source
-from kvcli.kv.attention import sdpa_everywhere
+from kvcli.kv import attention
 from kvcli.methods.registry import make_method
 from kvcli.models.load import load_model
 
@@ -45,13 +46,21 @@ def main() -> None:
             engine.score([ids.tolist()])
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
+    print(f"dtype {loaded.model.dtype}: explicit = every block on the explicit path, rule = kvcli's choice "
+          "(kvcli.kv.attention.takes_explicit), sdpa = every block on SDPA", flush=True)
     for method in args.methods.split(","):
         engine = Engine(loaded.model, make_method(method), 1024, block=256)
-        explicit = timed(engine, ids)
-        with sdpa_everywhere():
+        share, attention.FLOAT32_EXPLICIT_SHARE = attention.FLOAT32_EXPLICIT_SHARE, 0.0
+        try:
+            explicit = timed(engine, ids)
+        finally:
+            attention.FLOAT32_EXPLICIT_SHARE = share
+        rule = timed(engine, ids)
+        with attention.sdpa_everywhere():
             sdpa = timed(engine, ids)
-        print(f"{method:14} explicit {explicit.tokens_per_second:6.0f} tok/s ppl {explicit.ppl:.4f} | "
-              f"sdpa {sdpa.tokens_per_second:6.0f} tok/s ppl {sdpa.ppl:.4f}", flush=True)
+        print(f"{method:14}" + " | ".join(f"{name} {result.tokens_per_second:5.0f} tok/s ppl {result.ppl:.4f}"
+                                          for name, result in (("explicit", explicit), ("rule", rule), ("sdpa", sdpa))),
+              flush=True)
 
 
 if __name__ == "__main__":

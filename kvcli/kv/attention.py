@@ -3,9 +3,9 @@
 It does two things the stock SDPA path cannot: it builds the block-causal mask of a block of
 queries against a compressed cache whose length has nothing to do with positions, and it records
 the attention that the last few queries pay to every cached key, which is what SnapKV, H2O,
-TOVA, TreeKV and PyramidInfer score tokens with. On the CPU a block against the cache goes through
-:func:`explicit_attention` (bf16 matmuls, probabilities for free); a long prefill and
-every GPU call go through :func:`sdpa_attention`, which materialises only the observation window.
+TOVA, TreeKV and PyramidInfer score tokens with. On the CPU a bf16 block against the cache, or a float32 one most of
+whose queries are scored, goes through :func:`explicit_attention` (two matmuls, probabilities for free); the rest,
+a long prefill and every GPU call go through :func:`sdpa_attention`, which materialises only the observation window.
 
 It honours what families add to plain attention, as their eager attention does: a sliding window
 (``sliding_window``: a query sees itself and the ``window - 1`` keys before it; Gemma 2/3, GPT-OSS,
@@ -131,8 +131,8 @@ def explicit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """Attention as two batched matmuls around a softmax, returning the window's probabilities too (the
     ``window`` queries before the last ``skip``).
 
-    On CPUs with AMX the matmuls run at the bf16 rate while the fused SDPA kernel does not (timings
-    in docs/benchmarks.md), and the probabilities the methods score with come for free. Query heads
+    In bf16 on a CPU the two matmuls keep up with the fused SDPA kernel end to end (timings in
+    docs/benchmarks.md), and the probabilities the methods score with come for free. Query heads
     are grouped under their KV head (GQA) instead of repeating keys and values. ``sinks`` ``[H_q]``
     are learned logits that join each query's softmax and are dropped after it. The output keeps the
     input dtype; the window's scores are a second, fp32 softmax of the same masked logits' last rows
@@ -192,6 +192,9 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 #: Devices whose blocks against a cache take :func:`explicit_attention` (:func:`takes_explicit`).
 EXPLICIT_DEVICES = frozenset({"cpu"})
+#: On those devices a float32 block takes it when at least this share of its queries record their attention
+#: (H2O: all of them); 0 sends every float32 block down it, as every 16-bit one goes.
+FLOAT32_EXPLICIT_SHARE = 0.5
 
 
 @contextmanager
@@ -208,14 +211,20 @@ def sdpa_everywhere() -> Iterator[None]:
 
 
 def takes_explicit(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> bool:
+                   softcap: float | None = None, sinks: torch.Tensor | None = None, recorded: int = 0) -> bool:
     """Whether :func:`dense_attention` takes the explicit path: soft-capping and sinks always (SDPA has
-    neither); on the CPU a block against the cache without a mask, but not a long prefill into an empty cache."""
+    neither); on the CPU a block against the cache without a mask (never a long prefill into an empty cache) in a
+    16-bit float, or in float32 where at least half its queries record their attention (``recorded``: H2O's whole
+    block). In 16 bits the explicit matmuls keep up with SDPA end to end and give those probabilities for free; in
+    float32 SDPA's fused kernel is faster, unless it would have to compute most of the probabilities a second time
+    (docs/benchmarks.md, "Which attention path the CPU takes")."""
     if softcap is not None or sinks is not None:
         return True
     q_len, k_len = query.shape[2], key.shape[2]
     long_prefill = attention_mask is None and q_len == k_len and q_len >= CAUSAL_KERNEL_FROM
-    return query.device.type in EXPLICIT_DEVICES and attention_mask is None and not long_prefill
+    if query.device.type not in EXPLICIT_DEVICES or attention_mask is not None or long_prefill:
+        return False
+    return query.dtype != torch.float32 or recorded >= FLOAT32_EXPLICIT_SHARE * q_len
 
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, window: int,
@@ -224,11 +233,12 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of every query to every key it can see, on the path that is fastest where it runs.
 
-    On the CPU without a mask a block against the cache takes :func:`explicit_attention`; a long
-    prefill into an empty cache and every GPU call take :func:`sdpa_attention`, unless the layer
+    On the CPU some blocks against the cache take :func:`explicit_attention` (:func:`takes_explicit`); the others,
+    a long prefill into an empty cache and every GPU call take :func:`sdpa_attention`, unless the layer
     soft-caps its logits or has sinks, which only the explicit path computes.
     """
-    if takes_explicit(query, key, attention_mask, softcap=softcap, sinks=sinks):
+    recorded = min(window, query.shape[2] - skip)
+    if takes_explicit(query, key, attention_mask, softcap=softcap, sinks=sinks, recorded=recorded):
         if attention_mask is not None:
             raise ValueError("kvcli builds its own masks; soft-capping and sinks take no external mask")
         return explicit_attention(query, key, value, scaling, window, sliding_window=sliding_window,
@@ -267,7 +277,7 @@ def kvcli_attention(
     if own is not None:
         output, probs = own
     elif (recorded and query.device.type not in EXPLICIT_DEVICES and defers(query.shape[1], recorded, key.shape[2])
-          and not takes_explicit(query, key, attention_mask, softcap=softcap, sinks=sinks)):
+          and not takes_explicit(query, key, attention_mask, softcap=softcap, sinks=sinks, recorded=recorded)):
         # A GPU's SDPA path: the window's softmax waits to be batched with the other layers' (kvcli.kv.scores).
         # Not on the CPU, which is not bound by launches and whose long one-shot prefills take that path too.
         output, _ = sdpa_attention(query, key, value, attention_mask, scaling, 0, sliding_window)

@@ -134,8 +134,9 @@ def _seconds_per_call(call, *args, repeats: int) -> float:
 
 
 def attention_timings(shapes=((256, 1024), (512, 1024), (256, 0), (1024, 0), (2048, 0), (6000, 0)), heads: int = 9,
-                      kv_heads: int = 3, head_dim: int = 64, window: int = 32, repeats: int = 3) -> list[dict]:
-    """Seconds per call of one layer's attention for ``(queries, cached keys)`` shapes, bf16, default-model heads:
+                      kv_heads: int = 3, head_dim: int = 64, window: int = 32, repeats: int = 3,
+                      dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Seconds per call of one layer's attention for ``(queries, cached keys)`` shapes, default-model heads:
     kvcli's explicit path against :func:`kvcli.kv.attention.sdpa_attention` (both also return the window)."""
     from kvcli.kv.attention import explicit_attention, sdpa_attention
 
@@ -144,9 +145,9 @@ def attention_timings(shapes=((256, 1024), (512, 1024), (256, 0), (1024, 0), (20
     scaling = head_dim ** -0.5
     for queries, cached in shapes:
         keys = queries + cached
-        q = torch.randn(1, heads, queries, head_dim, generator=generator).bfloat16()
-        k = torch.randn(1, kv_heads, keys, head_dim, generator=generator).bfloat16()
-        v = torch.randn(1, kv_heads, keys, head_dim, generator=generator).bfloat16()
+        q = torch.randn(1, heads, queries, head_dim, generator=generator).to(dtype)
+        k = torch.randn(1, kv_heads, keys, head_dim, generator=generator).to(dtype)
+        v = torch.randn(1, kv_heads, keys, head_dim, generator=generator).to(dtype)
         rows.append({"queries": queries, "cached": cached,
                      "explicit": _seconds_per_call(explicit_attention, q, k, v, scaling, window, repeats=repeats),
                      "sdpa": _seconds_per_call(sdpa_attention, q, k, v, None, scaling, window, repeats=repeats)})
@@ -166,8 +167,11 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated: plain-blocks,hf-sliding,plain-forward")
     args = parser.parse_args()
     if args.attention:
-        print(f"one layer's attention, bf16, {torch.get_num_threads()} threads")
-        for row in attention_timings():
+        from kvcli.models.load import resolve_dtype
+
+        dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+        print(f"one layer's attention, {dtype}, {torch.get_num_threads()} threads")
+        for row in attention_timings(dtype=dtype):
             print(f"queries {row['queries']:>5} cached {row['cached']:>5}  explicit {row['explicit'] * 1e3:8.2f} ms  "
                   f"sdpa {row['sdpa'] * 1e3:8.2f} ms")
         return
