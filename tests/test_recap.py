@@ -304,14 +304,3 @@ def test_a_recap_takes_at_most_half_the_budget(model):
     assert 0 < capped.recap_tokens <= 20
     none, *_ = read_with(model, recap=200, budget=32)  # half of it holds no passage of 17 tokens
     assert none.recap_tokens == 0
-
-
-def test_best_last_orders_runs_of_passages_from_the_least_to_the_most_pointed_at():
-    from kvcli.reading.recap import best_last, stream_order
-
-    # best first, as Recap.chosen gives them: a passage at 20-22, one at 5-6, then one at 23-24 that runs on from the
-    # first (one run, ranked as its best passage), then one at 10.
-    chosen = {20: 120, 21: 121, 22: 122, 5: 105, 6: 106, 23: 123, 24: 124, 10: 110}
-    assert stream_order(chosen) == [105, 106, 110, 120, 121, 122, 123, 124]
-    assert best_last(chosen) == [110, 105, 106, 120, 121, 122, 123, 124]
-    assert best_last({}) == []

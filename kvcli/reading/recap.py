@@ -109,30 +109,6 @@ def stream_order(chosen: dict[int, int]) -> list[int]:
     return [chosen[index] for index in sorted(chosen)]
 
 
-def best_last(chosen: dict[int, int]) -> list[int]:
-    """The token ids of ``chosen`` (stream index -> id, best passages first, :meth:`Recap.chosen`) as runs of
-    consecutive stream indices, each run in stream order, the runs from the least to the most pointed-at (a run
-    ranks as the best passage in it): the passage the question found most lies nearest the question."""
-    rank = {index: n for n, index in enumerate(chosen)}
-    runs: list[list[int]] = []
-    for index in sorted(chosen):
-        if runs and index == runs[-1][-1] + 1:
-            runs[-1].append(index)
-        else:
-            runs.append([index])
-    runs.sort(key=lambda run: min(rank[i] for i in run), reverse=True)
-    return [chosen[index] for run in runs for index in run]
-
-
-#: How a recap's passages are ordered before the question: "stream" (as in the document) or "score" (:func:`best_last`).
-RECAP_ORDER = "stream"
-
-
-def recap_order(chosen: dict[int, int]) -> list[int]:
-    """The recap's token ids in :data:`RECAP_ORDER`."""
-    return best_last(chosen) if RECAP_ORDER == "score" else stream_order(chosen)
-
-
 class Recap:
     """At most ``tokens`` token ids of the document that the question pointed at, in stream order.
 
