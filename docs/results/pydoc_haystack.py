@@ -3,7 +3,7 @@
 Debian's ``python3.11-doc`` holds the reStructuredText source of every page beside its HTML
 (``html/_sources/**/*.rst.txt``). This writes, as they are (markup included), the pages of the tutorial, the
 language reference, the HOWTOs and the FAQ, in that order and each folder's pages sorted by path, a blank line
-between pages: about 212,000 words of technical English unlike the novels kvcli was tuned on. Usage, on a
+between pages: technical English with code, unlike the novels kvcli was tuned on (its size: the notes). Usage, on a
 machine with Debian's archive, no root needed::
 
     apt-get download python3.11-doc && dpkg-deb -x python3.11-doc_*.deb pkg
