@@ -93,15 +93,6 @@ def pairs(*words: range) -> set[tuple[int, int]]:
     return {(a, a + 1) for word in words for a in word[:-1]}
 
 
-def test_a_passage_that_repeats_words_already_recapped_gives_its_room_to_the_next():
-    # A block of a repeated sentence (ids 1-5) with one distinct run (60-64) in it: the peaks on the repeats
-    # score above it, but once one repeat is recapped, every run of GRAM tokens of the others is already read.
-    ids = [1, 2, 3, 4, 5] * 3 + [60, 61, 62, 63, 64] + [1, 2, 3, 4, 5] * 2
-    recap = Recap(10, radius=2)
-    recap.observe(fake_cache(len(ids), {2: 90.0, 7: 85.0, 12: 80.0, 17: 40.0, 22: 70.0}), ids, start=0)
-    assert recap.passages() == [1, 2, 3, 4, 5, 60, 61, 62, 63, 64]
-
-
 def test_a_passage_stretches_to_finish_the_words_its_radius_cuts():
     joined = pairs(range(106, 109), range(112, 115))  # words 106-108 and 112-114 across the radius's edges
     plain, recap = Recap(5, radius=2, reach=2), Recap(9, radius=2, reach=2)  # room for the one passage

@@ -34,10 +34,6 @@ The rules, and why:
   into one word when the first ends and the second begins with a letter, a digit or a hyphen, read from the
   pair decoded together (a SentencePiece tokenizer drops the space of a token decoded alone). A uuid is one
   word, 36 tokens in SmolLM2's and Gemma 3's tokenizers (a character a token; Llama 3's groups digits).
-* A passage is read only if it adds a run of ``GRAM`` tokens the recap does not hold yet: a text that repeats
-  itself (RULER's vt hides its chain in one sentence said hundreds of times) otherwise fills the recap with
-  copies of one sentence, which crowd out the passages that differ and which a small model copies into its
-  answer (docs/notes/2026-12-06-recap-repeats.md).
 * The recap and the question end the last block, and a scored method keeps that block whole with the
   question (:attr:`kvcli.kv.cache.LayerView.held`): the recap was read so that every layer and head holds what
   the question pointed at, and the question's queries alone would let a top layer drop part of it again.
@@ -65,8 +61,6 @@ RADIUS = 8
 #: Tokens past its radius a passage may take on each side to finish a word: a uuid (36 tokens) from a peak on its
 #: first character (docs/notes/2026-11-29-recap-whole-uuids.md).
 REACH = 32
-#: A passage must add a run of this many tokens that the recap does not hold yet (:meth:`Recap.chosen`).
-GRAM = 4
 #: Stored ids: outside the document (its edge is a word boundary), and past the block (not known yet).
 OUTSIDE, UNSEEN = -1, -2
 
@@ -211,27 +205,21 @@ class Recap:
 
     def chosen(self, joins: Callable[[int, int], bool] | None = None) -> dict[int, int]:
         """The recap's token ids by stream index: the best passages first, as many as fit ``tokens``
-        (a passage that would overflow it is left out, and so is one whose every run of ``GRAM`` tokens the
-        chosen ones hold already), overlapping passages merged. ``joins``
+        (a passage that would overflow it is left out), overlapping passages merged. ``joins``
         (:func:`word_joins`) moves each passage's ends to word boundaries; without it a passage is its peak
         and ``radius`` tokens each side."""
         if self.scores is None:
             return {}
         scores, starts, ids = self.scores.tolist(), self.starts.tolist(), self.ids.tolist()
         chosen: dict[int, int] = {}
-        read: set[tuple[int, ...]] = set()
         for score, start, span in zip(scores, starts, ids, strict=True):
             if score <= 0:
                 break  # masked tokens and later ones: no peak left
             lo, hi = self._edges(span, joins)
-            grams = {tuple(span[j:j + GRAM]) for j in range(lo, max(hi - GRAM, lo) + 1)}
-            if grams <= read:
-                continue  # the same words again: it would crowd out a passage that adds some
             new = {start + j: span[j] for j in range(lo, hi) if span[j] >= 0 and start + j not in chosen}
             if len(chosen) + len(new) > self.tokens:
                 continue
             chosen.update(new)
-            read |= grams
         return chosen
 
     def _edges(self, span: list[int], joins: Callable[[int, int], bool] | None) -> tuple[int, int]:
