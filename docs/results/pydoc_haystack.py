@@ -8,6 +8,10 @@ machine with Debian's archive, no root needed::
 
     apt-get download python3.11-doc && dpkg-deb -x python3.11-doc_*.deb pkg
     python docs/results/pydoc_haystack.py pkg/usr/share/doc/python3.11/html/_sources > pydoc.txt
+    python docs/results/pydoc_haystack.py pkg/usr/share/doc/python3.11/html/_sources library > pylib.txt
+
+Folders named after the sources are written instead of the four above: ``library`` (the standard library's
+reference, a sixth held-out text) shares no page with them.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ from pathlib import Path
 FOLDERS = ("tutorial", "reference", "howto", "faq")
 
 
-def main(sources: str) -> None:
+def main(sources: str, folders: tuple[str, ...] = FOLDERS) -> None:
     root = Path(sources)
-    pages = [path for folder in FOLDERS for path in sorted((root / folder).rglob("*.rst.txt"))]
+    pages = [path for folder in folders for path in sorted((root / folder).rglob("*.rst.txt"))]
     sys.stdout.write("\n\n".join(path.read_text(encoding="utf-8").strip("\n") for path in pages) + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(sys.argv[2:]) or FOLDERS)
