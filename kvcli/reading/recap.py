@@ -109,6 +109,25 @@ def stream_order(chosen: dict[int, int]) -> list[int]:
     return [chosen[index] for index in sorted(chosen)]
 
 
+def best_last(chosen: dict[int, int], opening: int = 0) -> list[int]:
+    """The token ids of ``chosen`` (stream index -> id, best passages first, :meth:`Recap.chosen`) as runs of
+    consecutive stream indices, each in stream order: first the runs that begin before stream index ``opening``
+    (the document's opening, a title or an instruction, which frames what follows and which a small model
+    continues if it stands right before the question), then the others from the least to the most pointed-at (a
+    run ranks as its best passage), so the passage the question found most lies nearest the question, where a
+    small model looks for its answer among lookalikes (docs/notes/2026-12-06-recap-best-last.md)."""
+    rank = {index: n for n, index in enumerate(chosen)}
+    runs: list[list[int]] = []
+    for index in sorted(chosen):
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    head = [run for run in runs if run[0] < opening]
+    rest = sorted((run for run in runs if run[0] >= opening), key=lambda run: min(rank[i] for i in run), reverse=True)
+    return [chosen[index] for run in head + rest for index in run]
+
+
 class Recap:
     """At most ``tokens`` token ids of the document that the question pointed at, in stream order.
 
