@@ -14,7 +14,7 @@ from kvcli.methods import make_method
 from kvcli.models.load import tiny_llama
 from kvcli.reading.prompts import PromptParts
 from kvcli.reading.reader import RECAP_SEPARATOR, Reader
-from kvcli.reading.recap import Recap, scored_layers, word_joins
+from kvcli.reading.recap import Recap, best_last, scored_layers, stream_order, word_joins
 from tests.support import append_tokens, make_cache
 
 LAYERS = 12  # scored: layers 4 to 10
@@ -304,3 +304,13 @@ def test_a_recap_takes_at_most_half_the_budget(model):
     assert 0 < capped.recap_tokens <= 20
     none, *_ = read_with(model, recap=200, budget=32)  # half of it holds no passage of 17 tokens
     assert none.recap_tokens == 0
+
+
+def test_the_recap_reads_the_documents_opening_first_and_its_best_passage_last():
+    # Best first as Recap.chosen gives them: a needle at 50-52, the document's opening at 10-12 (an instruction a
+    # small model would continue if it came last), a weaker lookalike at 30-31 after the needle's rank.
+    chosen = {50: 5, 51: 6, 52: 7, 10: 1, 11: 2, 12: 3, 30: 8, 31: 9}
+    assert best_last(chosen, opening=10 + 17) == [1, 2, 3, 8, 9, 5, 6, 7]
+    # Neighbouring passages stay one run, in stream order, ranked by their best passage.
+    assert best_last({20: 2, 40: 4, 21: 3, 41: 5}, opening=0) == [4, 5, 2, 3]
+    assert stream_order({20: 2, 40: 4, 21: 3, 41: 5}) == [2, 3, 4, 5]

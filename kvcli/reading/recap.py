@@ -4,8 +4,8 @@ Beyond the papers (an ``ask`` reading choice, not a method). While a long docume
 compressed cache, the question's probe attends to every block as it arrives. :class:`Recap` notes, per
 block, the tokens that the question's queries single out in the middle layers, and keeps the best few
 of them with ``radius`` neighbours on each side: token ids, a bounded number, never keys or values.
-After the document the reader streams those passages once more, in stream order, before the
-question. Re-read, they enter every layer and head of the cache with the context of their passage,
+After the document the reader streams those passages once more before the question: the document's
+opening first, then the others from the least to the most pointed-at (:func:`best_last`). Re-read, they enter every layer and head of the cache with the context of their passage,
 where compression may have kept them in a few heads only (the measurements are in
 docs/notes/2026-11-26-ask-recap.md).
 Gathering the relevant tokens and recomputing their keys and values is the idea of REFORM (Song et al.,
@@ -34,6 +34,12 @@ The rules, and why:
   into one word when the first ends and the second begins with a letter, a digit or a hyphen, read from the
   pair decoded together (a SentencePiece tokenizer drops the space of a token decoded alone). A uuid is one
   word, 36 tokens in SmolLM2's and Gemma 3's tokenizers (a character a token; Llama 3's groups digits).
+* The best passage is read last, nearest the question: a small model answers from the passage nearest the
+  question, and RULER's multi-key needles look alike, so in stream order Gemma 3 270M answered a later
+  distractor's value though the recap held the asked needle and ranked it higher. A passage within the document's
+  first passage width (a title, a heading, an instruction) stays first, where it frames what follows: read last,
+  RULER's "A special magic uuid is hidden within the following" was continued instead of answered
+  (docs/notes/2026-12-06-recap-best-last.md). Each run of neighbouring passages keeps its stream order.
 * The recap and the question end the last block, and a scored method keeps that block whole with the
   question (:attr:`kvcli.kv.cache.LayerView.held`): the recap was read so that every layer and head holds what
   the question pointed at, and the question's queries alone would let a top layer drop part of it again.
@@ -107,6 +113,25 @@ def scored_layers(num_layers: int) -> range:
 def stream_order(chosen: dict[int, int]) -> list[int]:
     """The token ids of ``chosen`` (stream index -> id, :meth:`Recap.chosen`) in stream order."""
     return [chosen[index] for index in sorted(chosen)]
+
+
+def best_last(chosen: dict[int, int], opening: int = 0) -> list[int]:
+    """The token ids of ``chosen`` (stream index -> id, best passages first, :meth:`Recap.chosen`) as runs of
+    consecutive stream indices, each in stream order: first the runs that begin before stream index ``opening``
+    (the document's opening, a title or an instruction, which frames what follows and which a small model
+    continues if it stands right before the question), then the others from the least to the most pointed-at (a
+    run ranks as its best passage), so the passage the question found most lies nearest the question, where a
+    small model looks for its answer among lookalikes (docs/notes/2026-12-06-recap-best-last.md)."""
+    rank = {index: n for n, index in enumerate(chosen)}
+    runs: list[list[int]] = []
+    for index in sorted(chosen):
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    head = [run for run in runs if run[0] < opening]
+    rest = sorted((run for run in runs if run[0] >= opening), key=lambda run: min(rank[i] for i in run), reverse=True)
+    return [chosen[index] for run in head + rest for index in run]
 
 
 class Recap:
