@@ -5,8 +5,9 @@ compressed cache, the question's probe attends to every block as it arrives. :cl
 block, the tokens that the question's queries single out in the middle layers, and keeps the best few
 of them with ``radius`` neighbours on each side: token ids, a bounded number, never keys or values.
 After the document the reader streams those passages once more before the question: the document's
-opening first, then the others from the least to the most pointed-at (:func:`best_last`). Re-read, they enter every layer and head of the cache with the context of their passage,
-where compression may have kept them in a few heads only (the measurements are in
+opening first, then the others from the least to the most pointed-at (:func:`best_last`). Re-read, they enter
+every layer and head of the cache with the context of their passage, where compression may have kept them in a
+few heads only (the measurements are in
 docs/notes/2026-11-26-ask-recap.md).
 Gathering the relevant tokens and recomputing their keys and values is the idea of REFORM (Song et al.,
 2025, "Compress, Gather, and Recompute"); the scores here are the method's own probe attention, so a
