@@ -65,7 +65,7 @@ import torch
 
 from kvcli.kv.architecture import head_shape
 from kvcli.reading.keystore import KeyStore
-from kvcli.reading.recap import scored_layers
+from kvcli.reading.recap import consecutive_runs, scored_layers
 
 #: Tokens per page of the index: the unit recalled.
 PAGE = 32
@@ -185,12 +185,7 @@ def heaviest_last(weight: torch.Tensor, count: int, share: float = KEEP_SHARE) -
             break
         pair = {p, p + 1} if p + 1 < weight.numel() else {p}
         chosen |= pair if len(chosen | pair) <= count else {p}
-    runs: list[list[int]] = []
-    for p in sorted(chosen):
-        if runs and runs[-1][-1] == p - 1:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
+    runs = consecutive_runs(chosen)
     runs.sort(key=lambda run: max(weight[p].item() for p in run))
     return [p for run in runs for p in run]
 

@@ -50,7 +50,7 @@ The rules, and why:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import cache
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -116,6 +116,17 @@ def stream_order(chosen: dict[int, int]) -> list[int]:
     return [chosen[index] for index in sorted(chosen)]
 
 
+def consecutive_runs(indices: Iterable[int]) -> list[list[int]]:
+    """``indices`` as runs of consecutive numbers, in order: the passages a recap or recall reads whole."""
+    runs: list[list[int]] = []
+    for index in sorted(indices):
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
 def best_last(chosen: dict[int, int], opening: int = 0) -> list[int]:
     """The token ids of ``chosen`` (stream index -> id, best passages first, :meth:`Recap.chosen`) as runs of
     consecutive stream indices, each in stream order: first the runs that begin before stream index ``opening``
@@ -124,12 +135,7 @@ def best_last(chosen: dict[int, int], opening: int = 0) -> list[int]:
     run ranks as its best passage), so the passage the question found most lies nearest the question, where a
     small model looks for its answer among lookalikes (docs/notes/2026-12-06-recap-best-last.md)."""
     rank = {index: n for n, index in enumerate(chosen)}
-    runs: list[list[int]] = []
-    for index in sorted(chosen):
-        if runs and index == runs[-1][-1] + 1:
-            runs[-1].append(index)
-        else:
-            runs.append([index])
+    runs = consecutive_runs(chosen)
     head = [run for run in runs if run[0] < opening]
     rest = sorted((run for run in runs if run[0] >= opening), key=lambda run: min(rank[i] for i in run), reverse=True)
     return [chosen[index] for run in head + rest for index in run]
