@@ -37,7 +37,7 @@ from kvcli.errors import KvcliError
 from kvcli.kv.cache import KVCache
 from kvcli.reading.generate import AnswerWriter, Generation
 from kvcli.reading.prompts import PromptParts, Repetition, encode
-from kvcli.reading.recap import Recap, best_last, recap_room, word_joins
+from kvcli.reading.recap import Recap, recap_room, word_joins
 
 #: One forward pass over this many tokens is what auto one-shot prefill allows at most on a CPU (the
 #: explicit CPU attention materialises ``heads x n x n`` probabilities); beyond it documents are streamed.
@@ -239,12 +239,12 @@ class Reader:
 
 def recapped(recap: Recap, cache, joins) -> list[int]:
     """The recap's token ids, the document's opening first and then the best passage last
-    (:func:`kvcli.reading.recap.best_last`), once ``cache`` has forgotten its own copies of them
+    (:meth:`kvcli.reading.recap.Recap.in_reading_order`), once ``cache`` has forgotten its own copies of them
     (:meth:`kvcli.kv.cache.KVCache.forget`): they are read again whole right after."""
     chosen = recap.chosen(joins)
     if chosen:
         cache.forget(torch.tensor(list(chosen)))
-    return best_last(chosen, recap.first + recap.width)
+    return recap.in_reading_order(chosen)
 
 
 def recaps_whole(engine: Engine, recap: int, parts: PromptParts, probe: bool, buffered: int) -> bool:

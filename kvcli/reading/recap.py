@@ -231,6 +231,11 @@ class Recap:
         flat = share.reshape(-1, 1, share.shape[-1])
         return torch.nn.functional.conv1d(flat, weights, padding=r).view(share.shape)
 
+    def in_reading_order(self, chosen: dict[int, int]) -> list[int]:
+        """``chosen``'s token ids as the reader reads them (:func:`best_last`): a run that begins within the
+        document's first passage width is its opening."""
+        return best_last(chosen, self.first + self.width)
+
     def passages(self, joins: Callable[[int, int], bool] | None = None) -> list[int]:
         """The recap's token ids in stream order (:meth:`chosen`'s)."""
         return stream_order(self.chosen(joins))
