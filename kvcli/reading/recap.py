@@ -50,7 +50,8 @@ The rules, and why:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -70,6 +71,12 @@ RADIUS = 8
 REACH = 32
 #: Stored ids: outside the document (its edge is a word boundary), and past the block (not known yet).
 OUTSIDE, UNSEEN = -1, -2
+#: What a rare pair of the question's own tokens adds to a token's score, before the passage weighs it: more than
+#: any attention share (at most 1), so that a passage that names what the question names outranks its lookalikes.
+PAIR_BONUS = 1.0
+#: A pair of the question's tokens is rare in a block where it begins at most this often: a name or a key, not a
+#: phrase every needle or sentence repeats ("special magic", "in the").
+RARE_PAIR = 2
 
 
 def word_joins(tokenizer) -> Callable[[int, int], bool]:
@@ -91,6 +98,22 @@ def word_joins(tokenizer) -> Callable[[int, int], bool]:
         return inside(head[-1:]) and inside(after)
 
     return joins
+
+
+def question_pairs(question: Sequence[int]) -> frozenset[tuple[int, int]]:
+    """The pairs of consecutive token ids of the question's own words: what a passage that names what the question
+    names shares with it."""
+    return frozenset(zip(question, question[1:], strict=False))
+
+
+def rare_pair_starts(ids: Sequence[int], pairs: frozenset[tuple[int, int]], rare: int = RARE_PAIR) -> list[float]:
+    """1.0 at each token of ``ids`` where a pair of ``pairs`` begins that begins at most ``rare`` times in ``ids``,
+    else 0.0: counted on the host from the block's ids, which the host already holds."""
+    if not pairs:
+        return [0.0] * len(ids)
+    found = [pair if pair in pairs else None for pair in zip(ids, ids[1:], strict=False)]
+    counts = Counter(pair for pair in found if pair is not None)
+    return [1.0 if pair is not None and counts[pair] <= rare else 0.0 for pair in found] + [0.0] * bool(ids)
 
 
 def passage_width(radius: int = RADIUS) -> int:
@@ -149,8 +172,10 @@ class Recap:
     recapped (the document's start: the chat template's prefix is never repeated).
     """
 
-    def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0, reach: int = REACH):
+    def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0, reach: int = REACH,
+                 question: Sequence[int] = ()):
         self.width = passage_width(radius)
+        self.pairs = question_pairs(question)
         if radius < 0 or reach < 0 or tokens < self.width:
             raise ValueError(f"a recap holds at least one passage of {self.width} tokens, not {tokens}")
         self.tokens, self.radius, self.first, self.reach = tokens, radius, first, reach
@@ -180,6 +205,9 @@ class Recap:
         if tail is not None and tail.numel():
             left[side - tail.numel():] = tail.to(device)
         ext = torch.cat((left, block, block.new_full((side,), UNSEEN)))
+        if self.pairs:
+            hits = torch.tensor(rare_pair_starts(ids, self.pairs), dtype=share.dtype).to(device, non_blocking=True)
+            share = share + PAIR_BONUS * self._passage_share(hits[None, None])[0, 0, :share.numel()]
         share = torch.cat((share, share.new_full((n - share.numel(),), -1.0)))  # the last radius: no peaks
         share = share.masked_fill(start + torch.arange(n, device=device) < self.first, -1.0)
         # Peaks only: a token below the best within ``radius`` of it would repeat most of that one's passage.
