@@ -98,6 +98,10 @@ def test_a_passage_that_names_what_the_question_names_outranks_a_lookalike_the_a
         recap = Recap(5, radius=2, question=question)
         recap.observe(fake_cache(20, {3: 50.0, 12: 60.0}), ids, start=0)
         assert recap.passages() == kept
+    # The pair begins two tokens right of the peak at 3: the peak stays, and its passage 101..105 is recapped.
+    recap = Recap(5, radius=2, question=[105, 106])
+    recap.observe(fake_cache(20, {3: 50.0, 12: 60.0}), ids, start=0)
+    assert recap.passages() == [101, 102, 103, 104, 105]
 
 
 def test_the_last_radius_tokens_are_never_peaks_and_left_neighbours_come_from_the_block_before():

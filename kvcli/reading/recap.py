@@ -205,14 +205,12 @@ class Recap:
         if tail is not None and tail.numel():
             left[side - tail.numel():] = tail.to(device)
         ext = torch.cat((left, block, block.new_full((side,), UNSEEN)))
-        if self.pairs:
-            hits = torch.tensor(rare_pair_starts(ids, self.pairs), dtype=share.dtype).to(device, non_blocking=True)
-            share = share + PAIR_BONUS * self._passage_share(hits[None, None])[0, 0, :share.numel()]
         share = torch.cat((share, share.new_full((n - share.numel(),), -1.0)))  # the last radius: no peaks
         share = share.masked_fill(start + torch.arange(n, device=device) < self.first, -1.0)
         # Peaks only: a token below the best within ``radius`` of it would repeat most of that one's passage.
         nearby = torch.nn.functional.max_pool1d(share[None, None], self.width, stride=1, padding=self.radius)[0, 0]
         share = share.masked_fill(share < nearby, -1.0)
+        share = self._named(share, ids)
         top = share.topk(min(self.slots, n))
         offsets = torch.arange(2 * side + 1, device=device)
         passage = ext[top.indices[:, None] + offsets]  # into ext: peak - side ...
@@ -247,6 +245,18 @@ class Recap:
             share = self._passage_share(share).amax(dim=(0, 1))
             best = share if best is None else torch.maximum(best, share)
         return best
+
+    def _named(self, share: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """``share`` with each peak raised by :data:`PAIR_BONUS` for every rare pair of the question's tokens that
+        begins in its passage, weighed by nearness as the share is. The peaks stay where the attention put them: a
+        passage centred on the key the question names can end before the value it asks for."""
+        if not self.pairs:
+            return share
+        import torch
+
+        hits = torch.tensor(rare_pair_starts(ids, self.pairs), dtype=share.dtype).to(share.device, non_blocking=True)
+        named = self._passage_share(hits[None, None])[0, 0]
+        return torch.where(share >= 0, share + PAIR_BONUS * named, share)
 
     def _passage_share(self, share: torch.Tensor) -> torch.Tensor:
         """``share`` (``[..., tokens]``) summed over each token's passage, weighed by nearness: 1 at the token, less
