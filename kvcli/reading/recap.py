@@ -26,6 +26,12 @@ The rules, and why:
   (docs/notes/2026-12-05-recap-passage-share.md). Nearness weighs the token itself most, so a passage centres on
   its best token.
 * A peak is the best token within ``radius`` of it, so passages do not repeat one another.
+* A peak's score rises by :data:`PAIR_BONUS` for every pair of the question's own consecutive tokens that begins in
+  its passage and at most :data:`RARE_PAIR` times in the block, weighed by nearness: among needles that look alike
+  the question's attention finds needles, not the asked key (RULER's distractors scored 0.31 around the asked
+  needle's 0.311), while a key or name the question gives is rare where a phrase every needle repeats is not. Only
+  peaks rise, so a passage stays centred where the attention put it: centred on the key, it ended before the value
+  asked for (docs/notes/2026-12-06-recap-question-pairs.md).
 * The block's last ``radius`` tokens are never peaks: the probe sits right after them, and nearness
   alone draws its attention there. This also gives every peak its right-hand neighbours within its
   block; the left-hand ones may come from the block before.
@@ -169,7 +175,8 @@ class Recap:
 
     Feed every streamed block with :meth:`observe` while its attention records are alive (the engine's
     ``observe`` hook), then take :meth:`passages`. ``first`` is the first stream index that may be
-    recapped (the document's start: the chat template's prefix is never repeated).
+    recapped (the document's start: the chat template's prefix is never repeated). ``question``: the question's own
+    token ids (without the prompt's frame), whose rare pairs raise the peaks that hold them.
     """
 
     def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0, reach: int = REACH,
