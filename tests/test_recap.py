@@ -306,6 +306,24 @@ def test_before_the_recap_the_cache_forgets_its_copies_of_the_recapped_tokens(mo
     assert gone == sum(held.numel() - left.numel() for held, left in zip(before, after, strict=True)) > 0
 
 
+def test_the_recap_is_given_the_questions_own_tokens_not_the_frame(model, monkeypatch):
+    import kvcli.reading.reader as reader
+
+    given = []
+
+    def recap(*args, question=(), **kwargs):
+        given.append(list(question))
+        return Recap(*args, question=question, **kwargs)
+
+    monkeypatch.setattr(reader, "Recap", recap)
+    engine = Engine(model, make_method("snapkv"), 80, block=16)
+    prefix, doc, suffix = ids_of(3, 1), ids_of(90, 5), ids_of(6, 2)
+    for span, question in (((1, 4), suffix[1:4]), (None, suffix)):
+        Reader(engine, Tokenizer(), recap=40).run(PromptParts(prefix, suffix, chat=False, question_span=span), [doc],
+                                                 2, one_shot=False)
+        assert given.pop() == question
+
+
 def test_no_recap_when_off_or_when_the_method_scores_nothing(model):
     plain, read, prefix, doc, suffix = read_with(model, recap=0)
     assert plain.recap_tokens == 0 and plain.prompt_tokens == len(prefix) + len(doc) + len(suffix)
