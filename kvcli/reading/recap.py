@@ -77,8 +77,9 @@ RADIUS = 8
 REACH = 32
 #: Stored ids: outside the document (its edge is a word boundary), and past the block (not known yet).
 OUTSIDE, UNSEEN = -1, -2
-#: What a rare pair of the question's own tokens adds to a token's score, before the passage weighs it: more than
-#: any attention share (at most 1), so that a passage that names what the question names outranks its lookalikes.
+#: What a rare pair of the question's own tokens adds to the score of a peak whose passage it begins in, weighed by
+#: nearness: more than any attention share (at most 1), so a passage that names what the question names outranks
+#: its lookalikes.
 PAIR_BONUS = 1.0
 #: A pair of the question's tokens is rare in a block where it begins at most this often: a name or a key, not a
 #: phrase every needle or sentence repeats ("special magic", "in the").
