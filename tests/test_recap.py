@@ -14,7 +14,15 @@ from kvcli.methods import make_method
 from kvcli.models.load import tiny_llama
 from kvcli.reading.prompts import PromptParts
 from kvcli.reading.reader import RECAP_SEPARATOR, Reader
-from kvcli.reading.recap import Recap, best_last, scored_layers, stream_order, word_joins
+from kvcli.reading.recap import (
+    Recap,
+    best_last,
+    question_pairs,
+    rare_pair_starts,
+    scored_layers,
+    stream_order,
+    word_joins,
+)
 from tests.support import append_tokens, make_cache
 
 LAYERS = 12  # scored: layers 4 to 10
@@ -69,6 +77,31 @@ def test_a_name_of_several_tokens_outweighs_one_token_a_head_rests_on():
     lone = Recap(5, radius=2)
     lone.observe(fake_cache(20, {3: 60.0} | dict.fromkeys(range(10, 15), 10.0)), list(range(100, 120)), start=0)
     assert lone.passages() == [101, 102, 103, 104, 105]  # a weaker name (50 weighed) loses to the lone 60
+
+
+def test_a_pair_of_the_questions_tokens_rare_in_the_block_marks_where_it_begins():
+    block = [7, 8, 9, 1, 2, 5, 1, 2, 5, 1, 2, 3, 4]
+    # (2, 3) and (3, 4) begin once: marked; (1, 2) begins three times, a phrase the block repeats: not; (8, 9) is no
+    # pair of the question's.
+    assert rare_pair_starts(block, question_pairs([1, 2, 3, 4])) == [0.0] * 10 + [1.0, 1.0, 0.0]
+    thrice = [1.0 if i in (3, 6, 9) else 0.0 for i in range(13)]
+    assert rare_pair_starts(block, question_pairs([1, 2]), rare=3) == thrice
+    assert rare_pair_starts(block, question_pairs([])) == [0.0] * 13
+    assert rare_pair_starts([], question_pairs([1, 2])) == []
+
+
+def test_a_passage_that_names_what_the_question_names_outranks_a_lookalike_the_attention_prefers():
+    # Two needles the question's attention scores alike (60 against 50): the one whose tokens 103, 104 are a pair of
+    # the question's own is recapped; without the question's tokens the other is.
+    ids = list(range(100, 120))
+    for question, kept in (([103, 104], [101, 102, 103, 104, 105]), ([], [110, 111, 112, 113, 114])):
+        recap = Recap(5, radius=2, question=question)
+        recap.observe(fake_cache(20, {3: 50.0, 12: 60.0}), ids, start=0)
+        assert recap.passages() == kept
+    # The pair begins two tokens right of the peak at 3: the peak stays, and its passage 101..105 is recapped.
+    recap = Recap(5, radius=2, question=[105, 106])
+    recap.observe(fake_cache(20, {3: 50.0, 12: 60.0}), ids, start=0)
+    assert recap.passages() == [101, 102, 103, 104, 105]
 
 
 def test_the_last_radius_tokens_are_never_peaks_and_left_neighbours_come_from_the_block_before():
@@ -271,6 +304,24 @@ def test_before_the_recap_the_cache_forgets_its_copies_of_the_recapped_tokens(mo
         every = set.intersection(*(set(row) for row in held.tolist())) & set(stream)
         assert [sorted(row) for row in left.tolist()] == [sorted(set(row) - every) for row in held.tolist()]
     assert gone == sum(held.numel() - left.numel() for held, left in zip(before, after, strict=True)) > 0
+
+
+def test_the_recap_is_given_the_questions_own_tokens_not_the_frame(model, monkeypatch):
+    import kvcli.reading.reader as reader
+
+    given = []
+
+    def recap(*args, question=(), **kwargs):
+        given.append(list(question))
+        return Recap(*args, question=question, **kwargs)
+
+    monkeypatch.setattr(reader, "Recap", recap)
+    engine = Engine(model, make_method("snapkv"), 80, block=16)
+    prefix, doc, suffix = ids_of(3, 1), ids_of(90, 5), ids_of(6, 2)
+    for span, question in (((1, 4), suffix[1:4]), (None, suffix)):
+        Reader(engine, Tokenizer(), recap=40).run(PromptParts(prefix, suffix, chat=False, question_span=span), [doc],
+                                                 2, one_shot=False)
+        assert given.pop() == question
 
 
 def test_no_recap_when_off_or_when_the_method_scores_nothing(model):

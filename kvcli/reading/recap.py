@@ -26,6 +26,12 @@ The rules, and why:
   (docs/notes/2026-12-05-recap-passage-share.md). Nearness weighs the token itself most, so a passage centres on
   its best token.
 * A peak is the best token within ``radius`` of it, so passages do not repeat one another.
+* A peak's score rises by :data:`PAIR_BONUS` for every pair of the question's own consecutive tokens that begins in
+  its passage and at most :data:`RARE_PAIR` times in the block, weighed by nearness: among needles that look alike
+  the question's attention finds needles, not the asked key (RULER's distractors scored 0.31 around the asked
+  needle's 0.311), while a key or name the question gives is rare where a phrase every needle repeats is not. Only
+  peaks rise, so a passage stays centred where the attention put it: centred on the key, it ended before the value
+  asked for (docs/notes/2026-12-06-recap-question-pairs.md).
 * The block's last ``radius`` tokens are never peaks: the probe sits right after them, and nearness
   alone draws its attention there. This also gives every peak its right-hand neighbours within its
   block; the left-hand ones may come from the block before.
@@ -50,7 +56,8 @@ The rules, and why:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -70,6 +77,13 @@ RADIUS = 8
 REACH = 32
 #: Stored ids: outside the document (its edge is a word boundary), and past the block (not known yet).
 OUTSIDE, UNSEEN = -1, -2
+#: What a rare pair of the question's own tokens adds to the score of a peak whose passage it begins in, weighed by
+#: nearness: more than any attention share (at most 1), so a passage that names what the question names outranks
+#: its lookalikes.
+PAIR_BONUS = 1.0
+#: A pair of the question's tokens is rare in a block where it begins at most this often: a name or a key, not a
+#: phrase every needle or sentence repeats ("special magic", "in the").
+RARE_PAIR = 2
 
 
 def word_joins(tokenizer) -> Callable[[int, int], bool]:
@@ -91,6 +105,22 @@ def word_joins(tokenizer) -> Callable[[int, int], bool]:
         return inside(head[-1:]) and inside(after)
 
     return joins
+
+
+def question_pairs(question: Sequence[int]) -> frozenset[tuple[int, int]]:
+    """The pairs of consecutive token ids of the question's own words: what a passage that names what the question
+    names shares with it."""
+    return frozenset(zip(question, question[1:], strict=False))
+
+
+def rare_pair_starts(ids: Sequence[int], pairs: frozenset[tuple[int, int]], rare: int = RARE_PAIR) -> list[float]:
+    """1.0 at each token of ``ids`` where a pair of ``pairs`` begins that begins at most ``rare`` times in ``ids``,
+    else 0.0: counted on the host from the block's ids, which the host already holds."""
+    if not pairs:
+        return [0.0] * len(ids)
+    found = [pair if pair in pairs else None for pair in zip(ids, ids[1:], strict=False)]
+    counts = Counter(pair for pair in found if pair is not None)
+    return [1.0 if pair is not None and counts[pair] <= rare else 0.0 for pair in found] + [0.0] * bool(ids)
 
 
 def passage_width(radius: int = RADIUS) -> int:
@@ -146,11 +176,14 @@ class Recap:
 
     Feed every streamed block with :meth:`observe` while its attention records are alive (the engine's
     ``observe`` hook), then take :meth:`passages`. ``first`` is the first stream index that may be
-    recapped (the document's start: the chat template's prefix is never repeated).
+    recapped (the document's start: the chat template's prefix is never repeated). ``question``: the question's own
+    token ids (without the prompt's frame), whose rare pairs raise the peaks that hold them.
     """
 
-    def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0, reach: int = REACH):
+    def __init__(self, tokens: int, radius: int = RADIUS, first: int = 0, reach: int = REACH,
+                 question: Sequence[int] = ()):
         self.width = passage_width(radius)
+        self.pairs = question_pairs(question)
         if radius < 0 or reach < 0 or tokens < self.width:
             raise ValueError(f"a recap holds at least one passage of {self.width} tokens, not {tokens}")
         self.tokens, self.radius, self.first, self.reach = tokens, radius, first, reach
@@ -185,6 +218,7 @@ class Recap:
         # Peaks only: a token below the best within ``radius`` of it would repeat most of that one's passage.
         nearby = torch.nn.functional.max_pool1d(share[None, None], self.width, stride=1, padding=self.radius)[0, 0]
         share = share.masked_fill(share < nearby, -1.0)
+        share = self._named(share, ids)
         top = share.topk(min(self.slots, n))
         offsets = torch.arange(2 * side + 1, device=device)
         passage = ext[top.indices[:, None] + offsets]  # into ext: peak - side ...
@@ -219,6 +253,18 @@ class Recap:
             share = self._passage_share(share).amax(dim=(0, 1))
             best = share if best is None else torch.maximum(best, share)
         return best
+
+    def _named(self, share: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """``share`` with each peak raised by :data:`PAIR_BONUS` for every rare pair of the question's tokens that
+        begins in its passage, weighed by nearness as the share is. The peaks stay where the attention put them: a
+        passage centred on the key the question names can end before the value it asks for."""
+        if not self.pairs:
+            return share
+        import torch
+
+        hits = torch.tensor(rare_pair_starts(ids, self.pairs), dtype=share.dtype).to(share.device, non_blocking=True)
+        named = self._passage_share(hits[None, None])[0, 0]
+        return torch.where(share >= 0, share + PAIR_BONUS * named, share)
 
     def _passage_share(self, share: torch.Tensor) -> torch.Tensor:
         """``share`` (``[..., tokens]``) summed over each token's passage, weighed by nearness: 1 at the token, less
