@@ -26,7 +26,7 @@ import kvcli.reading.reader as reader
 from kvcli.eval.ruler.tasks import Book, make_sample
 from kvcli.eval.ruler.trials import run_ruler
 from kvcli.models.load import load_model
-from kvcli.reading.recap import RECAP_TOKENS, Recap
+from kvcli.reading.recap import RECAP_TOKENS, Recap, passage_share
 
 LENGTH, GRAM, BONUS, RARE = 16384, 4, 1.0, 2
 ORIGINAL_CHOSEN, ORIGINAL_OBSERVE, ORIGINAL_SHARE = Recap.chosen, Recap.observe, Recap._block_share
@@ -108,7 +108,7 @@ def lexical(rows: Path) -> Callable:
         pairs = list(zip(self.block_ids[:n], self.block_ids[1:n], strict=False))
         count = Counter(pairs)
         hits = torch.tensor([BONUS if p in question and count[p] <= RARE else 0.0 for p in pairs] + [0.0])
-        bonus = self._passage_share(hits.to(scores.dtype)[None, None])[0, 0][:scores.numel()]
+        bonus = passage_share(hits.to(scores.dtype)[None, None], self.radius)[0, 0][:scores.numel()]
         return scores + bonus.to(scores.device)
 
     def write(trial, *_) -> None:

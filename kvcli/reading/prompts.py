@@ -126,6 +126,12 @@ class PromptParts:
     #: every question and would outvote a short one. None: every token of the suffix scores.
     question_span: tuple[int, int] | None = None
 
+    @property
+    def question(self) -> list[int]:
+        """The question's own tokens (:attr:`question_span`); the whole suffix where there is no span."""
+        lo, hi = self.question_span or (0, len(self.suffix))
+        return self.suffix[lo:hi]
+
 
 def render_chat(tokenizer, content: str) -> str | None:
     """The chat template rendered for one user turn and the assistant's start; None without a template."""

@@ -139,8 +139,7 @@ class Reader:
         as the probe of every block (``probe``), then the recap, and the question at the end of the last block."""
         suffix, room = parts.suffix, recap_room(self.recap, self.engine.budget)
         probe_ids = torch.tensor([suffix], dtype=torch.long) if probe and suffix else None
-        lo, hi = parts.question_span or (0, len(suffix))
-        recap = Recap(room, first=len(parts.prefix), question=suffix[lo:hi]) if room and probe_ids is not None else None
+        recap = Recap(room, first=len(parts.prefix), question=parts.question) if room and probe and suffix else None
         read = self.read_blocks(cache, pending, _chain([[]], rest), result, started, probe=probe_ids, recap=recap,
                                 span=parts.question_span, block=block)
         document = read + len(pending) - len(parts.prefix)

@@ -123,6 +123,17 @@ def rare_pair_starts(ids: Sequence[int], pairs: frozenset[tuple[int, int]], rare
     return [1.0 if pair is not None and counts[pair] <= rare else 0.0 for pair in found] + [0.0] * bool(ids)
 
 
+def passage_share(share: torch.Tensor, radius: int) -> torch.Tensor:
+    """``share`` (``[..., tokens]``) summed over each token's passage, weighed by nearness: 1 at the token, less
+    by ``1 / (radius + 1)`` a step, so ``1 / (radius + 1)`` at the radius's edge."""
+    import torch
+
+    steps = torch.arange(-radius, radius + 1, device=share.device, dtype=share.dtype).abs()
+    weights = (1 - steps / (radius + 1)).view(1, 1, -1)
+    flat = share.reshape(-1, 1, share.shape[-1])
+    return torch.nn.functional.conv1d(flat, weights, padding=radius).view(share.shape)
+
+
 def passage_width(radius: int = RADIUS) -> int:
     """Tokens in one passage, a peak and ``radius`` neighbours on each side: the least a recap holds."""
     return 2 * radius + 1
@@ -250,7 +261,7 @@ class Recap:
             # The block is each head's last n tokens before compression.
             probs = record.probe[..., -n:-self.radius if self.radius else None].float()
             share = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
-            share = self._passage_share(share).amax(dim=(0, 1))
+            share = passage_share(share, self.radius).amax(dim=(0, 1))
             best = share if best is None else torch.maximum(best, share)
         return best
 
@@ -263,19 +274,8 @@ class Recap:
         import torch
 
         hits = torch.tensor(rare_pair_starts(ids, self.pairs), dtype=share.dtype).to(share.device, non_blocking=True)
-        named = self._passage_share(hits[None, None])[0, 0]
+        named = passage_share(hits[None, None], self.radius)[0, 0]
         return torch.where(share >= 0, share + PAIR_BONUS * named, share)
-
-    def _passage_share(self, share: torch.Tensor) -> torch.Tensor:
-        """``share`` (``[..., tokens]``) summed over each token's passage, weighed by nearness: 1 at the token, less
-        by ``1 / (radius + 1)`` a step, so ``1 / (radius + 1)`` at the radius's edge."""
-        import torch
-
-        r = self.radius
-        steps = torch.arange(-r, r + 1, device=share.device, dtype=share.dtype).abs()
-        weights = (1 - steps / (r + 1)).view(1, 1, -1)
-        flat = share.reshape(-1, 1, share.shape[-1])
-        return torch.nn.functional.conv1d(flat, weights, padding=r).view(share.shape)
 
     def in_reading_order(self, chosen: dict[int, int]) -> list[int]:
         """``chosen``'s token ids as the reader reads them (:func:`best_last`): a run that begins within the
