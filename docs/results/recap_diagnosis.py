@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import kvcli.reading.reader as reader
 from kvcli.eval.ruler.tasks import Book, make_sample
 from kvcli.eval.ruler.trials import run_ruler
 from kvcli.models.load import load_model
-from kvcli.reading.recap import RECAP_TOKENS, Recap, passage_share
+from kvcli.reading.recap import RECAP_TOKENS, Recap, passage_share, question_pairs, rare_pair_starts
 
 LENGTH, GRAM, BONUS, RARE = 16384, 4, 1.0, 2
 ORIGINAL_CHOSEN, ORIGINAL_OBSERVE, ORIGINAL_SHARE = Recap.chosen, Recap.observe, Recap._block_share
@@ -95,19 +94,15 @@ def lexical(rows: Path) -> Callable:
     original_stream = reader.Reader._stream
 
     def stream(self, cache, parts, *args, **kwargs):
-        lo, hi = parts.question_span or (0, len(parts.suffix))
-        words = parts.suffix[lo:hi]
         question.clear()
-        question.update(zip(words, words[1:], strict=False))
+        question.update(question_pairs(parts.question))
         return original_stream(self, cache, parts, *args, **kwargs)
 
     def share(self: Recap, cache, n: int):
         scores = ORIGINAL_SHARE(self, cache, n)
         if scores is None:
             return None
-        pairs = list(zip(self.block_ids[:n], self.block_ids[1:n], strict=False))
-        count = Counter(pairs)
-        hits = torch.tensor([BONUS if p in question and count[p] <= RARE else 0.0 for p in pairs] + [0.0])
+        hits = BONUS * torch.tensor(rare_pair_starts(self.block_ids[:n], question, RARE))
         bonus = passage_share(hits.to(scores.dtype)[None, None], self.radius)[0, 0][:scores.numel()]
         return scores + bonus.to(scores.device)
 

@@ -28,10 +28,9 @@ The rules, and why:
 * A peak is the best token within ``radius`` of it, so passages do not repeat one another.
 * A peak's score rises by :data:`PAIR_BONUS` for every pair of the question's own consecutive tokens that begins in
   its passage and at most :data:`RARE_PAIR` times in the block, weighed by nearness: among needles that look alike
-  the question's attention finds needles, not the asked key (RULER's distractors scored 0.31 around the asked
-  needle's 0.311), while a key or name the question gives is rare where a phrase every needle repeats is not. Only
-  peaks rise, so a passage stays centred where the attention put it: centred on the key, it ended before the value
-  asked for (docs/notes/2026-12-06-recap-question-pairs.md).
+  the question's attention finds needles, not the asked key, while a key or name the question gives is rare where
+  a phrase every needle repeats is not. Only peaks rise, so a passage stays centred where the attention put it: a
+  passage centred on the key can end before the value asked for (docs/notes/2026-12-06-recap-question-pairs.md).
 * The block's last ``radius`` tokens are never peaks: the probe sits right after them, and nearness
   alone draws its attention there. This also gives every peak its right-hand neighbours within its
   block; the left-hand ones may come from the block before.
