@@ -30,6 +30,18 @@ def test_help(invoke, command):
     assert result.exit_code == 0 and "Usage" in result.stdout
 
 
+def test_every_commands_help_is_its_docstring_a_paragraph_a_line():
+    # Typer's rich help keeps single line breaks; a docstring's would cut the help's sentences at the source's width.
+    from kvcli.cli.app import app, one_line_paragraphs
+    from kvcli.cli.cache import app as cache_app
+
+    doc = "First line\n  goes on.\n\nSecond\nparagraph.\n"
+    assert one_line_paragraphs(doc) == "First line goes on.\n\nSecond paragraph."
+    for info in [*app.registered_commands, *cache_app.registered_commands]:
+        assert info.help == one_line_paragraphs(info.callback.__doc__), info.callback.__name__
+        assert all("\n" not in paragraph for paragraph in info.help.split("\n\n"))
+
+
 def test_summarize_streams_exactly_the_summary_to_stdout(invoke, tiny_model_dir, book, smol_tokenizer):
     from kvcli.reading.prompts import TEMPLATES, build_prompt
 

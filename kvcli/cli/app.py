@@ -8,6 +8,7 @@ everything else to stderr. User mistakes become one line on stderr and exit code
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import click
@@ -86,20 +87,35 @@ def _options(version: bool = typer.Option(False, "--version", callback=_print_ve
     """Options of kvcli itself, before the command."""
 
 
-app.command()(perplexity.ppl)
-app.command()(reading.summarize)
-app.command()(reading.ask)
-app.command()(read.read)
-app.command()(needle.needle)
-app.command()(ruler.ruler)
-app.command()(bench.bench)
-app.command("bench-speed")(speed.bench_speed)
-app.command()(analyze.analyze)
-app.command()(pod.calibrate)
-app.command()(pod.adapt)
-app.command()(listing.methods)
-app.command()(listing.models)
-app.command()(listing.presets)
+def one_line_paragraphs(doc: str | None) -> str | None:
+    """``doc`` with each paragraph on one line: Typer's rich help keeps a docstring's single line breaks, which
+    would cut its sentences where the source wraps them, before the terminal's width does."""
+    if doc is None:
+        return None
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in inspect.cleandoc(doc).split("\n\n"))
+
+
+def _command(function, name: str | None = None) -> None:
+    """Registers ``function`` as a command whose help is its docstring, a paragraph a line."""
+    app.command(name, help=one_line_paragraphs(function.__doc__))(function)
+
+
+_command(perplexity.ppl)
+_command(reading.summarize)
+_command(reading.ask)
+_command(read.read)
+_command(needle.needle)
+_command(ruler.ruler)
+_command(bench.bench)
+_command(speed.bench_speed, "bench-speed")
+_command(analyze.analyze)
+_command(pod.calibrate)
+_command(pod.adapt)
+_command(listing.methods)
+_command(listing.models)
+_command(listing.presets)
+for _info in cache.app.registered_commands:
+    _info.help = _info.help or one_line_paragraphs(_info.callback.__doc__)
 app.add_typer(cache.app, name="cache")
 
 
