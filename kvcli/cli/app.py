@@ -95,27 +95,27 @@ def one_line_paragraphs(doc: str | None) -> str | None:
     return "\n\n".join(" ".join(paragraph.split()) for paragraph in inspect.cleandoc(doc).split("\n\n"))
 
 
-def _command(function, name: str | None = None) -> None:
-    """Registers ``function`` as a command whose help is its docstring, a paragraph a line."""
-    app.command(name, help=one_line_paragraphs(function.__doc__))(function)
+def _help_from_docstrings(*typers: typer.Typer) -> None:
+    """Every command of ``typers`` without a help of its own gets its docstring, a paragraph a line."""
+    for info in (info for each in typers for info in each.registered_commands):
+        info.help = info.help or one_line_paragraphs(info.callback.__doc__)
 
 
-_command(perplexity.ppl)
-_command(reading.summarize)
-_command(reading.ask)
-_command(read.read)
-_command(needle.needle)
-_command(ruler.ruler)
-_command(bench.bench)
-_command(speed.bench_speed, "bench-speed")
-_command(analyze.analyze)
-_command(pod.calibrate)
-_command(pod.adapt)
-_command(listing.methods)
-_command(listing.models)
-_command(listing.presets)
-for _info in cache.app.registered_commands:
-    _info.help = _info.help or one_line_paragraphs(_info.callback.__doc__)
+app.command()(perplexity.ppl)
+app.command()(reading.summarize)
+app.command()(reading.ask)
+app.command()(read.read)
+app.command()(needle.needle)
+app.command()(ruler.ruler)
+app.command()(bench.bench)
+app.command("bench-speed")(speed.bench_speed)
+app.command()(analyze.analyze)
+app.command()(pod.calibrate)
+app.command()(pod.adapt)
+app.command()(listing.methods)
+app.command()(listing.models)
+app.command()(listing.presets)
+_help_from_docstrings(app, cache.app)
 app.add_typer(cache.app, name="cache")
 
 
