@@ -32,6 +32,7 @@ from transformers import (
 from kvcli.engine.engine import Engine
 from kvcli.errors import UnsupportedModelError
 from kvcli.kv.architecture import describe
+from kvcli.kv.architecture import layer_windows as config_windows
 from kvcli.kv.attention import ATTENTION_NAME, register_attention
 from kvcli.kv.cache import rotate_keys
 from kvcli.kv.quant import POSITION_BYTES
@@ -223,6 +224,16 @@ def test_streamingllm_after_evictions_equals_the_literal_reference(models, famil
     expected = reference_streamingllm(model, ids, budget, sinks, block)
     assert len(got) == len(expected) == 13
     assert got == pytest.approx(expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_windows_read_from_the_config_are_the_models(models, family):
+    """PoD refuses a model by its config's windows before it looks for groups; they must be what the model runs."""
+    model = model_of(models, family)
+    assert config_windows(model.config) == describe(model).windows == layer_windows(model.config)
+    if any(describe(model).windows):
+        with pytest.raises(UnsupportedModelError, match="sliding-window layers"):
+            Engine(model, make_method("pod"), 64, block=16).new_cache()  # not "ships no PoD groups"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

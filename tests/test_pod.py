@@ -312,6 +312,26 @@ def test_bad_inputs_are_usage_errors(tmp_path):
         make_method("pod").new_cache(model)
 
 
+def test_a_windowed_model_is_refused_before_groups_are_sought_or_calibrated(invoke, book, tmp_path, smol_tokenizer):
+    """Gemma 3 has sliding-window layers, which PoD cannot share keys across: a user is told so at once, not sent
+    to calibrate groups (minutes) that the method would then refuse."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=len(smol_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512)
+    folder = tmp_path / "tiny-gemma"
+    Gemma3ForCausalLM(config).save_pretrained(folder)
+    smol_tokenizer.save_pretrained(folder)
+    out = tmp_path / "groups.json"
+    for args in (("calibrate", book, "--out", out, "-N", 2, "--tokens", 64),
+                 ("ppl", book, "--method", "pod", "-o", "select=snapkv", "--max-tokens", 100)):
+        result = invoke(*args, "--model", folder, "--quiet")
+        assert result.exit_code != 0 and "sliding-window layers" in result.stderr, result.stderr
+        assert "ships no PoD groups" not in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+
+
 def test_pod_is_listed_and_bad_input_exits_with_one_line(invoke, book, tmp_path):
     assert "pod" in METHODS
     listed = invoke("methods")

@@ -44,12 +44,14 @@ def calibrate(
     from kvcli.eval.analysis.calibrate import calibrate as run_calibration
     from kvcli.io.outputs import check_output
     from kvcli.io.report import dumps, print_result
+    from kvcli.methods.pod.groups import check_supported
 
     check_seed(seed)
     setup.check_outputs({"--out": out}, source)
     check_output(out, "--out")  # before minutes of calibration, not after
     documents = setup.documents(source)
     loaded = setup.load()
+    check_supported(loaded.model.config)  # before minutes of calibration: groups no model of this kind can use
     with _bar(setup, samples, "calibrating") as bar:
         task = bar.add_task("", total=samples)
         groups = run_calibration(loaded.model, loaded.tokenizer, documents, threshold, q, samples, tokens, seed=seed,

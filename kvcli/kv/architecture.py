@@ -89,6 +89,14 @@ def _layer_window(config, layer_type: str | None) -> int | None:
     return window
 
 
+def layer_windows(config) -> list[int | None]:
+    """Each decoder layer's attention window (None: the layer attends to everything), from the config alone, so
+    that a method can refuse a model before it loads or calibrates anything."""
+    num_layers = int(config.num_hidden_layers)
+    layer_types = getattr(config, "layer_types", None) or [None] * num_layers
+    return [_layer_window(config, layer_type) for layer_type in layer_types[:num_layers]]
+
+
 def describe(model: torch.nn.Module) -> Architecture:
     """Read every decoder layer's RoPE frequencies and window, or refuse a model kvcli cannot re-position."""
     config = model.config

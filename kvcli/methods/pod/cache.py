@@ -29,7 +29,6 @@ from functools import lru_cache
 
 import torch
 
-from kvcli.errors import UnsupportedModelError
 from kvcli.kv.architecture import describe
 from kvcli.kv.attention import dense_attention
 from kvcli.kv.cache import CompressedLayer, KVCache
@@ -37,6 +36,7 @@ from kvcli.kv.quant import QuantizedTokens, gather_tokens, nbytes, stored
 from kvcli.kv.rope import rotate_keys
 from kvcli.methods.pod import attention as pod_attention
 from kvcli.methods.pod.attention import SharingPlan, edge_slots, shared_attention
+from kvcli.methods.pod.groups import check_supported
 
 
 @lru_cache(maxsize=256)
@@ -108,11 +108,8 @@ class PodCache(KVCache):
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, plan: SharingPlan) -> PodCache:
+        check_supported(model.config)
         arch = describe(model)
-        if any(window is not None for window in arch.windows):
-            # Sharing assumes every layer holds the same slots; a window layer holds only its window.
-            raise UnsupportedModelError(f"pod does not support model type {arch.model_type!r}: "
-                                        "it has sliding-window layers")
         return cls(len(arch.layers), [layer.inv_freq for layer in arch.layers], plan)
 
 

@@ -25,10 +25,10 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcli.errors import KvcliError, UsageError
+from kvcli.errors import KvcliError, UnsupportedModelError, UsageError
 from kvcli.io.lazy import torch
 from kvcli.io.outputs import atomic_write
-from kvcli.kv.architecture import head_shape
+from kvcli.kv.architecture import head_shape, layer_windows
 
 if TYPE_CHECKING:
     from kvcli.kv.quant import TokenCosts
@@ -265,13 +265,22 @@ def shipped_for(config) -> GroupsFile:
         if groups.shape == shape:
             return groups
     raise UsageError(f"kvcli ships no PoD groups for this model ({shape.model_type}, {shape.layers} layers, "
-                     f"{shape.heads} heads, {shape.kv_heads} KV heads): calibrate some (kvcli.eval.analysis.calibrate) "
-                     "and pass -o groups=FILE")
+                     f"{shape.heads} heads, {shape.kv_heads} KV heads): calibrate some with `kvcli calibrate "
+                     "TEXT --model MODEL --out FILE` and pass -o groups=FILE")
+
+
+def check_supported(config) -> None:
+    """Refuse a model with sliding-window layers, before any groups are looked for, calibrated or trained: sharing
+    keys across layers assumes every layer holds the same slots, and a window layer holds only its window."""
+    if any(window is not None for window in layer_windows(config)):
+        model_type = getattr(config, "model_type", "?")
+        raise UnsupportedModelError(f"pod does not support model type {model_type!r}: it has sliding-window layers")
 
 
 def resolve(spec: str | GroupsFile, config) -> GroupsFile:
     """The groups the ``pod`` method runs with, checked against the model: a file, or ``auto``: the
     ``pod_groups.json`` of a model folder written by post-training, else the shipped groups for its shape."""
+    check_supported(config)
     if isinstance(spec, GroupsFile):
         groups = spec
     elif spec in ("", "auto"):
