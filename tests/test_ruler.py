@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcli.cli.ruler import TimeLeft
 from kvcli.eval.ruler import TASKS, Book, make_sample, recall
 
 SYLLABLES = ("ba", "ko", "mi", "ter", "su", "lan", "do", "vi", "ne", "rok", "pa", "lu", "sen", "ga", "fo")
@@ -108,6 +109,20 @@ def test_the_command_prints_one_score_per_cell_and_resumes(invoke, tiny_model_di
     assert other.exit_code != 0 and "is a trial of another run (its params" in other.stderr
     text = invoke("ruler", *common)
     assert text.exit_code == 0 and len(text.stdout.strip().splitlines()) == 2 + 6
+    loud = invoke("ruler", *[arg for arg in common if arg != "--quiet"], "--rows", str(rows), "--resume")
+    progress = [line for line in loud.stderr.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == [f"[{done}/8" for done in range(1, 9)]
+    assert all(line.endswith(" left)") for line in progress[:-1]) and progress[-1].endswith(" s)")
+
+
+def test_progress_says_the_time_left_from_each_lengths_trials_so_far():
+    left = TimeLeft([4096, 16384], 2)
+    assert left.after(4096, 60.0) == "; about 9 min left"  # 60 s more at 4k, 2 x 240 s at 16k (four times as long)
+    assert left.after(4096, 60.0) == "; about 8 min left"
+    assert left.after(16384, 120.0) == "; about 2 min left"  # once timed, a length's own mean
+    assert left.after(16384, 120.0) == ""  # the last trial
+    assert TimeLeft([1000], 100).after(1000, 60.0) == "; about 1 h 39 min left"
+    assert TimeLeft([10], 3).after(10, 1.0) == "; under a minute left"
 
 
 @pytest.mark.parametrize("arguments", [["--tasks", "niah_single_9"], ["--methods", "nope"], ["--samples", "0"],

@@ -230,11 +230,13 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
 
     text, book = _book(documents)
     loaded = setup.load()
+    left = TimeLeft(length_list, len(task_list) * samples * len(method_list) * len(ratios or [None]))
 
     def on_trial(trial, done, total) -> None:
         at = "" if trial.ratio is None else f" ratio {trial.ratio:g}"
         setup.note(f"[{done}/{total}] {trial.task} {trial.length:,}{at} {trial.method}: {trial.answer[:80]!r} "
-                   f"(score {trial.score:.2f}, expected {' '.join(trial.outputs)}, {trial.seconds:.1f} s)")
+                   f"(score {trial.score:.2f}, expected {' '.join(trial.outputs)}, {trial.seconds:.1f} s"
+                   f"{left.after(trial.length, trial.seconds)})")
 
     log = RulerLog(rows, resume, about={"model": loaded.name}, note=setup.note) if rows is not None else None
     try:
@@ -255,6 +257,35 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
         from kvcli.eval.ruler.plot import plot_ruler
 
         setup.note(f"wrote {plot_ruler(result.scores(), plot, loaded.name)}")
+
+
+class TimeLeft:
+    """A grid's time left for its progress lines: each length's trials left times the mean seconds of its trials so
+    far, or, for a length not yet begun (a grid runs its lengths in turn), the seconds a token of length has taken
+    so far times its length. Reads do not all cost the same per token (a one-shot read of 4k against a streamed
+    16k), so the estimate is rough until every length has had a trial."""
+
+    def __init__(self, lengths: list[int], trials_per_length: int):
+        self.left = dict.fromkeys(lengths, 0)
+        for length in lengths:
+            self.left[length] += trials_per_length
+        self.spent: dict[int, list[float]] = {}
+
+    def after(self, length: int, seconds: float) -> str:
+        """``"; about N min left"`` once a trial of ``length`` tokens took ``seconds``; nothing after the last."""
+        self.left[length] -= 1
+        self.spent.setdefault(length, []).append(seconds)
+        per_token = sum(map(sum, self.spent.values())) / sum(n * len(s) for n, s in self.spent.items())
+        estimate = sum(count * (sum(self.spent[n]) / len(self.spent[n]) if n in self.spent else per_token * n)
+                       for n, count in self.left.items())
+        if not any(self.left.values()):
+            return ""
+        minutes = round(estimate / 60)
+        if minutes < 1:
+            return "; under a minute left"
+        if minutes < 60:
+            return f"; about {minutes} min left"
+        return f"; about {minutes // 60} h {minutes % 60:02d} min left"
 
 
 def score_table(scores: list[dict], model: str) -> str:
