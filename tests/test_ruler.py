@@ -383,3 +383,9 @@ def test_the_table_script_keeps_one_length_and_summarises_a_column_a_line(tmp_pa
     assert "| vt | 75 |" in table()  # both lengths
     assert "| treekv cache 1024 | **50.0** (" in table("--length", "16k", "--summary")
     assert "| 2 |" in table("--length", "16k", "--summary")
+    other = tmp_path / "other.jsonl"  # a column of another length shares no sample with the first: one line
+    other.write_text(path.read_text().replace('"length": 4096', '"length": 8192').replace('"length": 16384',
+                                                                                          '"length": 32768'))
+    apart = subprocess.run([sys.executable, str(script), str(path), f"{other}=other"], capture_output=True, text=True)
+    assert apart.returncode != 0 and apart.stderr.strip().splitlines() == [
+        "ruler_table: no sample is read by every column (columns of other lengths? give --length)"]

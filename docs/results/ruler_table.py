@@ -51,6 +51,8 @@ def main() -> None:
         column += f" {row['label']}" if row["label"] else ""
         cells[column][(row["task"], row["length"], row["index"])] = row["score"]
     shared = set.intersection(*(set(scores) for scores in cells.values()))
+    if not shared:
+        sys.exit("ruler_table: no sample is read by every column (columns of other lengths? give --length)")
     cells = {column: {key: v for key, v in scores.items() if key in shared} for column, scores in cells.items()}
     order = {column: i for i, column in enumerate(cells)}  # a method's labelled columns in the files' order
     columns = sorted(cells, key=lambda c: (c != "full", c.split()[1] if " " in c else "", c.split()[0], order[c]))
