@@ -116,13 +116,13 @@ def test_the_command_prints_one_score_per_cell_and_resumes(invoke, tiny_model_di
 
 
 def test_progress_says_the_time_left_from_each_lengths_trials_so_far():
-    left = TimeLeft([4096, 16384], 2)
-    assert left.after(4096, 60.0) == "; about 9 min left"  # 60 s more at 4k, 2 x 240 s at 16k (four times as long)
-    assert left.after(4096, 60.0) == "; about 8 min left"
-    assert left.after(16384, 120.0) == "; about 2 min left"  # once timed, a length's own mean
-    assert left.after(16384, 120.0) == ""  # the last trial
-    assert TimeLeft([1000], 100).after(1000, 60.0) == "; about 1 h 39 min left"
-    assert TimeLeft([10], 3).after(10, 1.0) == "; under a minute left"
+    left = TimeLeft([4096, 16384])  # two trials a length
+    assert left.after(4096, 60.0, 4) == "; about 9 min left"  # 60 s more at 4k, 2 x 240 s at 16k (four times as long)
+    assert left.after(4096, 60.0, 4) == "; about 8 min left"
+    assert left.after(16384, 120.0, 4) == "; about 2 min left"  # once timed, a length's own mean
+    assert left.after(16384, 120.0, 4) == ""  # the last trial
+    assert TimeLeft([1000]).after(1000, 60.0, 100) == "; about 1 h 39 min left"
+    assert TimeLeft([10]).after(10, 1.0, 3) == "; under a minute left"
 
 
 @pytest.mark.parametrize("arguments", [["--tasks", "niah_single_9"], ["--methods", "nope"], ["--samples", "0"],

@@ -230,13 +230,13 @@ def _run(setup: Setup, documents, task_list, method_list, length_list, *, sample
 
     text, book = _book(documents)
     loaded = setup.load()
-    left = TimeLeft(length_list, len(task_list) * samples * len(method_list) * len(ratios or [None]))
+    left = TimeLeft(length_list)
 
     def on_trial(trial, done, total) -> None:
         at = "" if trial.ratio is None else f" ratio {trial.ratio:g}"
         setup.note(f"[{done}/{total}] {trial.task} {trial.length:,}{at} {trial.method}: {trial.answer[:80]!r} "
                    f"(score {trial.score:.2f}, expected {' '.join(trial.outputs)}, {trial.seconds:.1f} s"
-                   f"{left.after(trial.length, trial.seconds)})")
+                   f"{left.after(trial.length, trial.seconds, total)})")
 
     log = RulerLog(rows, resume, about={"model": loaded.name}, note=setup.note) if rows is not None else None
     try:
@@ -265,21 +265,23 @@ class TimeLeft:
     so far times its length. Reads do not all cost the same per token (a one-shot read of 4k against a streamed
     16k), so the estimate is rough until every length has had a trial."""
 
-    def __init__(self, lengths: list[int], trials_per_length: int):
-        self.left = dict.fromkeys(lengths, 0)
-        for length in lengths:
-            self.left[length] += trials_per_length
-        self.spent: dict[int, list[float]] = {}
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+        self.seconds = dict.fromkeys(lengths, 0.0)
+        self.done = dict.fromkeys(lengths, 0)
 
-    def after(self, length: int, seconds: float) -> str:
-        """``"; about N min left"`` once a trial of ``length`` tokens took ``seconds``; nothing after the last."""
-        self.left[length] -= 1
-        self.spent.setdefault(length, []).append(seconds)
-        per_token = sum(map(sum, self.spent.values())) / sum(n * len(s) for n, s in self.spent.items())
-        estimate = sum(count * (sum(self.spent[n]) / len(self.spent[n]) if n in self.spent else per_token * n)
-                       for n, count in self.left.items())
-        if not any(self.left.values()):
+    def after(self, length: int, seconds: float, total: int) -> str:
+        """``"; about N min left"`` once a trial of ``length`` tokens took ``seconds``, of ``total`` trials (the
+        same number at every length); nothing after the last."""
+        self.seconds[length] += seconds
+        self.done[length] += 1
+        per_length = total // len(self.lengths)
+        left = {n: per_length * self.lengths.count(n) - self.done[n] for n in self.done}
+        if not any(left.values()):
             return ""
+        per_token = sum(self.seconds.values()) / sum(n * done for n, done in self.done.items())
+        estimate = sum(count * (self.seconds[n] / self.done[n] if self.done[n] else per_token * n)
+                       for n, count in left.items())
         minutes = round(estimate / 60)
         if minutes < 1:
             return "; under a minute left"

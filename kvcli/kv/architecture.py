@@ -89,12 +89,16 @@ def _layer_window(config, layer_type: str | None) -> int | None:
     return window
 
 
+def _layer_types(config) -> list[str | None]:
+    """Each decoder layer's type as the config names it, or None for every layer of a family without types."""
+    num_layers = int(config.num_hidden_layers)
+    return list(getattr(config, "layer_types", None) or [None] * num_layers)[:num_layers]
+
+
 def layer_windows(config) -> list[int | None]:
     """Each decoder layer's attention window (None: the layer attends to everything), from the config alone, so
     that a method can refuse a model before it loads or calibrates anything."""
-    num_layers = int(config.num_hidden_layers)
-    layer_types = getattr(config, "layer_types", None) or [None] * num_layers
-    return [_layer_window(config, layer_type) for layer_type in layer_types[:num_layers]]
+    return [_layer_window(config, layer_type) for layer_type in _layer_types(config)]
 
 
 def describe(model: torch.nn.Module) -> Architecture:
@@ -110,12 +114,10 @@ def describe(model: torch.nn.Module) -> Architecture:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported: it has no rotary position embedding (RoPE), so kvcli "
             "cannot re-assign the positions of cached keys (see `kvcli models` for the supported families)")
-    num_layers = int(config.num_hidden_layers)
-    layer_types = getattr(config, "layer_types", None) or [None] * num_layers
     _, head_dim = head_shape(config)
     limit: int | None = None
     layers = []
-    for layer_type in layer_types[:num_layers]:
+    for layer_type in _layer_types(config):
         keyed = layer_type is not None and hasattr(rotary, f"{layer_type}_inv_freq")
         prefix = f"{layer_type}_" if keyed else ""
         rope_type = rotary.rope_type[layer_type] if keyed else getattr(rotary, "rope_type", "default")
