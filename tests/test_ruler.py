@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -389,3 +390,29 @@ def test_the_table_script_keeps_one_length_and_summarises_a_column_a_line(tmp_pa
     apart = subprocess.run([sys.executable, str(script), str(path), f"{other}=other"], capture_output=True, text=True)
     assert apart.returncode != 0 and apart.stderr.strip().splitlines() == [
         "ruler_table: no sample is read by every column (columns of other lengths? give --length)"]
+
+
+def test_the_table_script_sets_each_method_at_one_length_against_another(tmp_path):
+    """``--length 16k --against 4k`` prints a line a column: its average at 4k, at 16k and their ratio (#53's
+    streamed goal), each length over the samples every column of that length read; a column with one length (full
+    attention past the window) gets no ratio, and ``--against`` without ``--length`` is one line."""
+    import subprocess
+    import sys
+
+    def rows(method: str, by_length: dict[int, list[float]]) -> str:
+        return "".join(json.dumps({"task": "vt", "length": length, "index": i, "method": method, "ratio": None,
+                                   "cache": 1024, "score": score}) + "\n"
+                       for length, scores in by_length.items() for i, score in enumerate(scores))
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(rows("treekv", {4096: [1.0, 1.0, 0.0, 1.0], 16384: [1.0, 0.0, 0.5, 1.0]})
+                    + rows("full", {4096: [1.0, 0.0, 0.0, 1.0]}))
+    script = Path(__file__).parent.parent / "docs" / "results" / "ruler_table.py"
+    out = subprocess.run([sys.executable, str(script), str(path), "--length", "16k", "--against", "4k"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "| column | 4k (95% CI) | 16k (95% CI) | 16k / 4k |" in out
+    assert re.search(r"\| treekv cache 1024 \| \*\*75\.0\*\* \(\d+-\d+\) \| \*\*62\.5\*\* \(\d+-\d+\) \| 83 % \|", out)
+    assert re.search(r"\| full \| \*\*50\.0\*\* \(\d+-\d+\) \|  \|  \|", out)
+    alone = subprocess.run([sys.executable, str(script), str(path), "--against", "4k"], capture_output=True, text=True)
+    assert alone.returncode != 0 and alone.stderr.strip().splitlines() == [
+        "ruler_table: --against needs --length (the length it is set against)"]

@@ -7,7 +7,11 @@ Rows: `kvcli ruler --rows` (kvcli's methods) and `docs/results/kvpress_ruler.py 
 cell is the mean score in percent; the average row adds the 95% Wilson interval over all trials of the column.
 ``FILE=LABEL`` adds LABEL to the names of that file's columns (the same method at two commits, side by side).
 ``--length 16k`` keeps the rows of one length (a file of ``--lengths 4k,16k`` holds both); ``--summary`` prints
-one line a column (average, interval, trials) instead of the per-task table.
+one line a column (average, interval, trials) instead of the per-task table; ``--length 16k --against 4k`` prints a
+line a method with its averages at both lengths and their ratio, #53's streamed goal (each length's average over
+the samples every column of that length read).
+
+    python docs/results/ruler_table.py docs/results/ruler-debmake/debmake-gemma-*.jsonl --length 16k --against 4k
 """
 
 from __future__ import annotations
@@ -38,24 +42,19 @@ def main() -> None:
                         "(FILE=LABEL adds LABEL to that file's columns)")
     parser.add_argument("--length", type=ruler_length, help="only the rows of this length (4096 or 4k)")
     parser.add_argument("--summary", action="store_true", help="one line a column: average, interval, trials")
+    parser.add_argument("--against", type=ruler_length, help="with --length: a line a method, its averages at this "
+                        "length and at --length and their ratio (#53's 16k / 4k)")
     args = parser.parse_args()
     rows = [row for path in args.rows for row in load(path)]
+    if args.against:
+        if not args.length:
+            sys.exit("ruler_table: --against needs --length (the length it is set against)")
+        return print_against(rows, args.length, args.against)
     if args.length:
         rows = [row for row in rows if row["length"] == args.length]
-    if not rows:
-        sys.exit("ruler_table: no trial rows in these files")
-    cells: dict[str, dict[tuple, float]] = defaultdict(dict)
-    for row in rows:
-        budget = row["ratio"] if row.get("ratio") is not None else f"cache {row['cache']}"  # streamed rows: a cache
-        column = row["method"] if row["method"] == "full" else f"{row['method']} {budget}"
-        column += f" {row['label']}" if row["label"] else ""
-        cells[column][(row["task"], row["length"], row["index"])] = row["score"]
-    shared = set.intersection(*(set(scores) for scores in cells.values()))
-    if not shared:
-        sys.exit("ruler_table: no sample is read by every column (columns of other lengths? give --length)")
-    cells = {column: {key: v for key, v in scores.items() if key in shared} for column, scores in cells.items()}
-    order = {column: i for i, column in enumerate(cells)}  # a method's labelled columns in the files' order
-    columns = sorted(cells, key=lambda c: (c != "full", c.split()[1] if " " in c else "", c.split()[0], order[c]))
+    cells = shared_cells(rows)
+    columns = ordered(cells)
+    shared = set(next(iter(cells.values())))
     tasks = sorted({task for task, _, _ in shared}, key=lambda t: (t.startswith("niah") is False, t))
     print(f"{len(shared)} samples ({len(tasks)} tasks) read by every column\n")
     if args.summary:
@@ -73,6 +72,46 @@ def main() -> None:
         print(f"| {task} | " + " | ".join(means) + " |")
     averages = [mean_interval(list(cells[column].values())) for column in columns]
     print("| average (95% CI) | " + " | ".join(averages) + " |")
+
+
+def shared_cells(rows: list[dict]) -> dict[str, dict[tuple, float]]:
+    """Each column's scores by sample (task, length, index), only the samples every column read; exits with one
+    line when there are no rows or no shared sample."""
+    if not rows:
+        sys.exit("ruler_table: no trial rows in these files")
+    cells: dict[str, dict[tuple, float]] = defaultdict(dict)
+    for row in rows:
+        budget = row["ratio"] if row.get("ratio") is not None else f"cache {row['cache']}"  # streamed rows: a cache
+        column = row["method"] if row["method"] == "full" else f"{row['method']} {budget}"
+        column += f" {row['label']}" if row["label"] else ""
+        cells[column][(row["task"], row["length"], row["index"])] = row["score"]
+    shared = set.intersection(*(set(scores) for scores in cells.values()))
+    if not shared:
+        sys.exit("ruler_table: no sample is read by every column (columns of other lengths? give --length)")
+    return {column: {key: v for key, v in scores.items() if key in shared} for column, scores in cells.items()}
+
+
+def ordered(cells: dict[str, dict]) -> list[str]:
+    """Full attention first, then by budget and method, a method's labelled columns in the files' order."""
+    order = {column: i for i, column in enumerate(cells)}
+    return sorted(cells, key=lambda c: (c != "full", c.split()[1] if " " in c else "", c.split()[0], order[c]))
+
+
+def print_against(rows: list[dict], length: int, against: int) -> None:
+    """A line a column: its average at ``against`` and at ``length`` and the ratio of the two (blank where a column
+    has only one of them, as full attention past the model's window)."""
+    base = shared_cells([row for row in rows if row["length"] == against])
+    cells = shared_cells([row for row in rows if row["length"] == length])
+    names = [f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}" for n in (against, length)]
+    print(f"{len(next(iter(base.values())))} samples at {names[0]} and {len(next(iter(cells.values())))} at "
+          f"{names[1]}, each read by every column of its length\n")
+    print(f"| column | {names[0]} (95% CI) | {names[1]} (95% CI) | {names[1]} / {names[0]} |")
+    print("| --- | ---: | ---: | ---: |")
+    for column in ordered({**base, **cells}):
+        means = [list(table[column].values()) if column in table else None for table in (base, cells)]
+        ratio = f"{100 * sum(means[1]) / len(means[1]) / (sum(means[0]) / len(means[0])):.0f} %" \
+            if all(means) and sum(means[0]) else ""
+        print(f"| {column} | " + " | ".join(mean_interval(m) if m else "" for m in means) + f" | {ratio} |")
 
 
 def mean_interval(scores: list[float]) -> str:
