@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcli.kv import attention
 from kvcli.kv.attention import explicit_attention, window_attention
 from kvcli.methods.base import recent_and_sinks, select_top
 
@@ -162,3 +163,24 @@ def test_float32_blocks_on_either_cpu_path_give_the_same_output_and_scores():
     got, got_scores = sdpa_attention(query, key, value, None, 8 ** -0.5, 4, skip=2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_scores, want_scores, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("queries", "keys", "window"), [(7, 7, None), (5, 12, None), (6, 20, 4), (40, 40, 9)])
+def test_a_mask_is_the_same_kept_or_made_again_and_only_small_ones_are_kept(queries, keys, window, monkeypatch):
+    """A block's causal (windowed) mask and a window's rows of it are the literal rule whether kept or made each
+    time; only masks of at most KEPT_MASK_ELEMENTS are kept, so reading prompts of many lengths in one process (one
+    shot, whole-prompt masks) keeps none of them."""
+    rows, cols = torch.arange(queries)[:, None], torch.arange(keys)[None, :]
+    literal = (cols <= rows + keys - queries) & (cols > rows + keys - queries - (window or keys + 1))
+    first, last = queries // 2, queries
+    literal_rows = ~(torch.arange(queries)[None, :] <= torch.arange(queries)[:, None])[first:last]
+    for limit in (0, queries * keys):  # made every time, then kept
+        monkeypatch.setattr(attention, "KEPT_MASK_ELEMENTS", limit)
+        attention._kept_mask.cache_clear()
+        attention._kept_window_mask.cache_clear()
+        assert torch.equal(attention.block_causal_mask(queries, keys, torch.device("cpu"), window), literal)
+        assert torch.equal(attention.hidden_by_mask(queries, keys, torch.device("cpu"), window), ~literal)
+        assert torch.equal(attention.window_mask(queries, first, last, torch.device("cpu")), literal_rows)
+        kept = attention._kept_mask.cache_info().currsize + attention._kept_window_mask.cache_info().currsize
+        assert kept == (0 if limit == 0 else 3)
+        assert attention.window_mask(queries, first, last, "cpu").shape == (last - first, queries)  # its rows alone

@@ -41,24 +41,43 @@ ATTENTION_NAME = "kvcli"
 CAUSAL_KERNEL_FROM = 1024
 
 
-@lru_cache(maxsize=16)
+#: Masks of at most this many elements (a block of 1,024 against 3,072 cached keys) are kept once made: a stream makes
+#: the same few shapes layer after layer and block after block. A larger one, the whole-prompt mask of a one-shot
+#: read, is made each time: making it is a few passes over its bytes, little beside the attention it masks, and
+#: keeping one for every prompt length would hold up to 64 of them for the life of a process that reads many prompts
+#: (``kvcli ruler``, lm-eval): 16 MiB each at 4,096 tokens, 256 MiB at 16,384.
+KEPT_MASK_ELEMENTS = 1 << 22
+
+
 def hidden_by_mask(queries: int, keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
-    """The keys :func:`block_causal_mask` hides (its negation), made once per shape for ``masked_fill_``."""
-    return ~block_causal_mask(queries, keys, device, window)
+    """The keys :func:`block_causal_mask` hides (its negation), for ``masked_fill_``."""
+    return _mask(queries, keys, torch.device(device), window, True)
 
 
-@lru_cache(maxsize=64)  # a shape per layer length: PyramidKV's 30 layers each have their own
 def block_causal_mask(queries: int, keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
     """``[queries, keys]`` boolean mask: query i sees every cached key and the new keys up to itself;
     with a ``window``, only the keys less than ``window`` positions before it (the cached keys of a
-    window layer are the consecutive tokens right before the block, so indices measure positions)."""
+    window layer are the consecutive tokens right before the block, so indices measure positions).
+    Read only, as :func:`hidden_by_mask`: one of at most :data:`KEPT_MASK_ELEMENTS` elements is shared."""
+    return _mask(queries, keys, torch.device(device), window, False)
+
+
+def _mask(queries: int, keys: int, device: torch.device, window: int | None, hidden: bool) -> torch.Tensor:
+    make = _kept_mask if queries * keys <= KEPT_MASK_ELEMENTS else _made_mask
+    return make(queries, keys, device, window, hidden)
+
+
+def _made_mask(queries: int, keys: int, device: torch.device, window: int | None, hidden: bool) -> torch.Tensor:
     offset = keys - queries
     rows = torch.arange(queries, device=device)[:, None]
     cols = torch.arange(keys, device=device)[None, :]
     visible = cols <= rows + offset
     if window is not None:
         visible &= cols > rows + offset - window
-    return visible
+    return ~visible if hidden else visible
+
+
+_kept_mask = lru_cache(maxsize=64)(_made_mask)  # a shape per layer length: PyramidKV's 30 layers each have their own
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -88,11 +107,20 @@ def window_logits(query: torch.Tensor, key: torch.Tensor, scaling: float, first:
     return logits, window_mask(q_len, first, last, query.device) if q_len > 1 else None
 
 
-@lru_cache(maxsize=16)
 def window_mask(queries: int, first: int, last: int, device: torch.device) -> torch.Tensor:
-    """The rows ``first:last`` of :func:`hidden_by_mask` of a block against itself: the block's causal mask, made
-    once per block size and window whatever the cache's length (layers differ in it)."""
-    return hidden_by_mask(queries, queries, device)[first:last]
+    """``[last - first, queries]``: the keys of the block's own that the queries ``first:last`` of a block of
+    ``queries`` must not see (the rows ``first:last`` of :func:`hidden_by_mask` of the block against itself, made
+    alone, not cut from the whole block's mask). Read only: a small one is shared, once per block size and window
+    whatever the cache's length (layers differ in it)."""
+    make = _kept_window_mask if (last - first) * queries <= KEPT_MASK_ELEMENTS else _window_mask
+    return make(queries, first, last, torch.device(device))
+
+
+def _window_mask(queries: int, first: int, last: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(queries, device=device)[None, :] > torch.arange(first, last, device=device)[:, None]
+
+
+_kept_window_mask = lru_cache(maxsize=16)(_window_mask)
 
 
 def window_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, skip: int = 0
