@@ -2,10 +2,12 @@
 "Many questions or trials in one process").
 
     OMP_NUM_THREADS=1 python docs/results/trial_memory.py BOOK --method pyramidkv --samples 8
+    OMP_NUM_THREADS=1 python docs/results/trial_memory.py BOOK --method snapkv --samples 4 --recap 0
     ONEDNN_PRIMITIVE_CACHE_CAPACITY=8 MALLOC_MMAP_THRESHOLD_=1048576 python docs/results/trial_memory.py BOOK ...
 
 Reads as ``kvcli ruler BOOK --tasks niah_single_1,niah_multikey_1,niah_single_2 --lengths 4k --cache 1024`` does
-(``run_ruler``, ``--dtype auto``, seed 5) and prints a line a trial: the trial's peak resident set (its
+(``run_ruler``, ``--dtype auto``, seed 5; ``--recap 0``: as ``kvcli ruler --recap 0``, the question read in the same
+forward as the prompt) and prints a line a trial: the trial's peak resident set (its
 ``peak_memory_bytes``), the resident set after it, the bytes of every CPU tensor still alive, and glibc's heap
 (``mallinfo2``: bytes in use and free inside the arena). Linux with glibc only.
 """
@@ -46,6 +48,7 @@ def main() -> None:
     parser.add_argument("book", type=Path)
     parser.add_argument("--method", default="pyramidkv")
     parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--recap", type=int, help="recap tokens (default: kvcli ruler's)")
     args = parser.parse_args()
     from kvcli.eval.ruler import Book, run_ruler
     from kvcli.models.load import load_model
@@ -63,7 +66,8 @@ def main() -> None:
 
     run_ruler(loaded.model, loaded.tokenizer, Book(args.book.read_text(encoding="utf-8")),
               ["niah_single_1", "niah_multikey_1", "niah_single_2"], [args.method], lengths=[4096],
-              samples=args.samples, budget=1024, seed=5, recap=RECAP_TOKENS, on_trial=on_trial)
+              samples=args.samples, budget=1024, seed=5, on_trial=on_trial,
+              recap=RECAP_TOKENS if args.recap is None else args.recap)
 
 
 if __name__ == "__main__":
