@@ -27,6 +27,7 @@ from kvcli.io.outputs import RowLog
 from kvcli.io.report import each_once
 from kvcli.reading.prompts import (
     ANSWER_REPETITION,
+    PromptParts,
     build_prompt,
     encode,
     question_frame,
@@ -269,24 +270,8 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
     draw comes from ``random.Random(seed)`` in grid order, so a seed fixes every haystack. ``log`` writes
     every trial as it finishes and, when resuming, takes the trials it already holds instead of running them.
     """
-    from kvcli.methods import make_method
-
     methods, lengths, depths = list(methods), list(lengths), list(depths)
-    if not methods or not lengths or not depths or trials < 1:
-        raise UsageError("the grid needs at least one method, length, depth and trial")
-    for depth in depths:
-        if not 0.0 <= depth <= 1.0:
-            raise UsageError(f"depth {depth} is not between 0 and 1")
-    longest = max(lengths)
-    if min(lengths) < 1:
-        raise UsageError("lengths must be positive")
-    if len(tokens) < longest:
-        raise UsageError(f"the source has {len(tokens):,} tokens; a haystack of {longest:,} needs a longer book")
-    built = {}
-    for name in methods:
-        built[name] = make_method(name, (options or {}).get(name))
-        check_budget(built[name], budget)
-
+    built = _grid_methods(tokens, methods, lengths, depths, trials, budget, options)
     stop_ids = stop_token_ids(tokenizer, model)
     params = {name: m.settings() for name, m in built.items()}
     result = NeedleResult(settings={"cache": budget, "block": block, "seed": seed, "fixed": fixed,
@@ -317,12 +302,7 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
                 continue
             engine = Engine(model, built[name], budget, block=block, warn=warn, kv_bits=kv_bits)
             reader = Reader(engine, tokenizer, stop_ids=stop_ids, recap=recap, repetition=ANSWER_REPETITION)
-            started = time.perf_counter()
-            gen = reader.run(parts, [stack.doc], max_new_tokens, one_shot=one_shot, probe=probe)
-            answer = gen.text.strip()
-            record = Trial(name, stack.length, stack.depth, stack.trial, stack.key, answer,
-                           is_correct(answer, stack.key), gen.prompt_tokens, gen.one_shot, gen.max_cache_tokens,
-                           time.perf_counter() - started, stack.needle, stack.question)
+            record = _trial(reader, name, stack, parts, max_new_tokens, one_shot=one_shot, probe=probe)
             result.trials.append(record)
             if log is not None:
                 log.add(record, params[name])
@@ -330,6 +310,39 @@ def run_grid(model, tokenizer, tokens: Sequence[int], methods: Iterable[str], *,
             if on_trial:
                 on_trial(record, done, total)
     return result
+
+
+def _grid_methods(tokens: Sequence[int], methods: list[str], lengths: list[int], depths: list[float], trials: int,
+                  budget: int, options: dict[str, dict] | None) -> dict:
+    """The grid's methods built with their options, once the grid is checked: a bad grid is refused before the
+    model reads anything."""
+    from kvcli.methods import make_method
+
+    if not methods or not lengths or not depths or trials < 1:
+        raise UsageError("the grid needs at least one method, length, depth and trial")
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise UsageError(f"depth {depth} is not between 0 and 1")
+    if min(lengths) < 1:
+        raise UsageError("lengths must be positive")
+    if len(tokens) < max(lengths):
+        raise UsageError(f"the source has {len(tokens):,} tokens; a haystack of {max(lengths):,} needs a longer book")
+    built = {}
+    for name in methods:
+        built[name] = make_method(name, (options or {}).get(name))
+        check_budget(built[name], budget)
+    return built
+
+
+def _trial(reader: Reader, name: str, stack: Haystack, parts: PromptParts, max_new_tokens: int, *,
+           one_shot: bool | None, probe: bool) -> Trial:
+    """One haystack read and answered by ``reader`` as ``kvcli ask`` does, graded strictly."""
+    started = time.perf_counter()
+    gen = reader.run(parts, [stack.doc], max_new_tokens, one_shot=one_shot, probe=probe)
+    answer = gen.text.strip()
+    return Trial(name, stack.length, stack.depth, stack.trial, stack.key, answer, is_correct(answer, stack.key),
+                 gen.prompt_tokens, gen.one_shot, gen.max_cache_tokens, time.perf_counter() - started,
+                 stack.needle, stack.question)
 
 
 @dataclass
