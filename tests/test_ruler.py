@@ -416,3 +416,26 @@ def test_the_table_script_sets_each_method_at_one_length_against_another(tmp_pat
     alone = subprocess.run([sys.executable, str(script), str(path), "--against", "4k"], capture_output=True, text=True)
     assert alone.returncode != 0 and alone.stderr.strip().splitlines() == [
         "ruler_table: --against needs --length (the length it is set against)"]
+
+
+def test_the_table_script_prints_what_the_trials_cost_a_line_a_file_and_length(tmp_path):
+    """``--costs`` prints, per file and length, the trials, the first trial's peak memory and the largest, the median
+    seconds and the most tokens cached, so the memory and time docs/results.md quotes come from a command."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "rows.jsonl"
+    trials = [(4096, 2**30, 10.0, 1024), (4096, 3 * 2**30, 30.0, 1030), (4096, 2 * 2**30, 20.0, 1024),
+              (16384, 2**31, 50.0, 1024)]
+    path.write_text("".join(json.dumps({"task": "vt", "length": n, "index": i, "method": "treekv", "ratio": None,
+                                        "cache": 1024, "score": 1.0, "peak_memory_bytes": peak, "seconds": s,
+                                        "max_cache_tokens": kept}) + "\n"
+                            for i, (n, peak, s, kept) in enumerate(trials)))
+    script = Path(__file__).parent.parent / "docs" / "results" / "ruler_table.py"
+    out = subprocess.run([sys.executable, str(script), f"{path}=label", "--costs"], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[2:] == ["| rows.jsonl | 4,096 | 3 | 1.00 | 3.00 | 20 | 1,030 |",
+                       "| rows.jsonl | 16,384 | 1 | 2.00 | 2.00 | 50 | 1,024 |"]
+    one = subprocess.run([sys.executable, str(script), str(path), "--costs", "--length", "16k"], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert one[2:] == ["| rows.jsonl | 16,384 | 1 | 2.00 | 2.00 | 50 | 1,024 |"]

@@ -9,7 +9,9 @@ cell is the mean score in percent; the average row adds the 95% Wilson interval 
 ``--length 16k`` keeps the rows of one length (a file of ``--lengths 4k,16k`` holds both); ``--summary`` prints
 one line a column (average, interval, trials) instead of the per-task table; ``--length 16k --against 4k`` prints a
 line a method with its averages at both lengths and their ratio, #53's streamed goal (each length's average over
-the samples every column of that length read).
+the samples every column of that length read); ``--costs`` prints what the trials cost instead of their scores: a
+line a file and length with the peak resident set of its first trial and its largest, the median seconds of a
+trial and the most tokens the cache held (kvcli's rows only: kvpress's record other fields).
 
     python docs/results/ruler_table.py docs/results/ruler-debmake/debmake-gemma-*.jsonl --length 16k --against 4k
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -28,12 +31,18 @@ from kvcli.eval.needle import wilson_interval
 
 def load(argument: str) -> list[dict]:
     """The trial rows of ``argument`` (a file, or ``FILE=LABEL``), each with the label it adds to its column."""
-    path, _, label = argument.rpartition("=") if "=" in argument and not Path(argument).exists() else (argument, "", "")
+    path, label = split_label(argument)
     try:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as error:
         sys.exit(f"ruler_table: {path}: not a file of JSON rows ({error})")
     return [row | {"label": label} for row in rows if "task" in row and "score" in row]
+
+
+def split_label(argument: str) -> tuple[str, str]:
+    """``FILE=LABEL`` as (FILE, LABEL); a file whose own name holds ``=`` stays whole."""
+    path, _, label = argument.rpartition("=") if "=" in argument and not Path(argument).exists() else (argument, "", "")
+    return path, label
 
 
 def main() -> None:
@@ -44,7 +53,10 @@ def main() -> None:
     parser.add_argument("--summary", action="store_true", help="one line a column: average, interval, trials")
     parser.add_argument("--against", type=ruler_length, help="with --length: a line a method, its averages at this "
                         "length and at --length and their ratio (#53's 16k / 4k)")
+    parser.add_argument("--costs", action="store_true", help="a line a file and length: peak memory, seconds, cache")
     args = parser.parse_args()
+    if args.costs:
+        return print_costs(args.rows, args.length)
     rows = [row for path in args.rows for row in load(path)]
     if args.against:
         if not args.length:
@@ -112,6 +124,22 @@ def print_against(rows: list[dict], length: int, against: int) -> None:
         ratio = f"{100 * sum(means[1]) / len(means[1]) / (sum(means[0]) / len(means[0])):.0f} %" \
             if all(means) and sum(means[0]) else ""
         print(f"| {column} | " + " | ".join(mean_interval(m) if m else "" for m in means) + f" | {ratio} |")
+
+
+def print_costs(paths: list[str], length: int | None) -> None:
+    """A line a file and length: its trials, the peak resident set (model included) of the first trial and the
+    largest, the median seconds of a trial and the most tokens the cache held; the first trial is a process's
+    memory before the allocator keeps what later trials freed (docs/benchmarks.md)."""
+    print("| rows | length | trials | peak GiB, first trial | peak GiB, largest | median s | cache tokens, most |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for path in paths:
+        rows = [row for row in load(path) if "peak_memory_bytes" in row and length in (None, row["length"])]
+        for n in sorted({row["length"] for row in rows}):
+            trials = [row for row in rows if row["length"] == n]
+            peaks = [row["peak_memory_bytes"] / 2**30 for row in trials]
+            print(f"| {Path(split_label(path)[0]).name} | {n:,} | {len(trials)} | {peaks[0]:.2f} | "
+                  f"{max(peaks):.2f} | {statistics.median(row['seconds'] for row in trials):.0f} | "
+                  f"{max(row['max_cache_tokens'] for row in trials):,} |")
 
 
 def mean_interval(scores: list[float]) -> str:
