@@ -439,3 +439,10 @@ def test_the_table_script_prints_what_the_trials_cost_a_line_a_file_and_length(t
     one = subprocess.run([sys.executable, str(script), str(path), "--costs", "--length", "16k"], capture_output=True,
                          text=True, check=True).stdout.splitlines()
     assert one[2:] == ["| rows.jsonl | 16,384 | 1 | 2.00 | 2.00 | 50 | 1,024 |"]
+    kvpress = tmp_path / "kvpress.jsonl"  # kvpress_ruler.py's rows: its own names for the peak and the kept tokens
+    kvpress.write_text(json.dumps({"task": "vt", "length": 8192, "index": 0, "method": "kvpress:SnapKVPress",
+                                   "ratio": 0.5, "score": 0.0, "peak_rss_bytes": 3 * 2**29, "seconds": 12.4,
+                                   "kept_tokens": 4012}) + "\n")
+    theirs = subprocess.run([sys.executable, str(script), str(kvpress), "--costs"], capture_output=True,
+                            text=True, check=True).stdout.splitlines()
+    assert theirs[2:] == ["| kvpress.jsonl | 8,192 | 1 | 1.50 | 1.50 | 12 | 4,012 |"]

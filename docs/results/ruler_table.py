@@ -11,7 +11,7 @@ one line a column (average, interval, trials) instead of the per-task table; ``-
 line a method with its averages at both lengths and their ratio, #53's streamed goal (each length's average over
 the samples every column of that length read); ``--costs`` prints what the trials cost instead of their scores: a
 line a file and length with the peak resident set of its first trial and its largest, the median seconds of a
-trial and the most tokens the cache held (kvcli's rows only: kvpress's record other fields).
+trial and the most tokens the cache held (kvpress's rows: the context tokens a layer kept, on average over layers).
 
     python docs/results/ruler_table.py docs/results/ruler-debmake/debmake-gemma-*.jsonl --length 16k --against 4k
 """
@@ -126,6 +126,11 @@ def print_against(rows: list[dict], length: int, against: int) -> None:
         print(f"| {column} | " + " | ".join(mean_interval(m) if m else "" for m in means) + f" | {ratio} |")
 
 
+#: Where kvcli's trial rows and kvpress_ruler.py's rows keep a trial's peak resident set and the tokens it cached.
+PEAK_FIELDS = ("peak_memory_bytes", "peak_rss_bytes")
+CACHED_FIELDS = ("max_cache_tokens", "kept_tokens")
+
+
 def print_costs(paths: list[str], length: int | None) -> None:
     """A line a file and length: its trials, the peak resident set (model included) of the first trial and the
     largest, the median seconds of a trial and the most tokens the cache held; the first trial is a process's
@@ -133,13 +138,19 @@ def print_costs(paths: list[str], length: int | None) -> None:
     print("| rows | length | trials | peak GiB, first trial | peak GiB, largest | median s | cache tokens, most |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for path in paths:
-        rows = [row for row in load(path) if "peak_memory_bytes" in row and length in (None, row["length"])]
+        rows = [row for row in load(path) if length in (None, row["length"])
+                and any(field in row for field in PEAK_FIELDS)]
         for n in sorted({row["length"] for row in rows}):
             trials = [row for row in rows if row["length"] == n]
-            peaks = [row["peak_memory_bytes"] / 2**30 for row in trials]
+            peaks = [first_field(row, PEAK_FIELDS) / 2**30 for row in trials]
             print(f"| {Path(split_label(path)[0]).name} | {n:,} | {len(trials)} | {peaks[0]:.2f} | "
                   f"{max(peaks):.2f} | {statistics.median(row['seconds'] for row in trials):.0f} | "
-                  f"{max(row['max_cache_tokens'] for row in trials):,} |")
+                  f"{max(first_field(row, CACHED_FIELDS) for row in trials):,} |")
+
+
+def first_field(row: dict, fields: tuple[str, ...]) -> int:
+    """The value of the first of ``fields`` the row has: kvcli's and kvpress's rows name the same cost apart."""
+    return next(row[field] for field in fields if field in row)
 
 
 def mean_interval(scores: list[float]) -> str:
