@@ -50,7 +50,8 @@ def main() -> None:
     parser.add_argument("rows", nargs="+", help="files of `kvcli ruler --rows` or `kvpress_ruler.py --out` rows "
                         "(FILE=LABEL adds LABEL to that file's columns)")
     parser.add_argument("--length", type=ruler_length, help="only the rows of this length (4096 or 4k)")
-    parser.add_argument("--summary", action="store_true", help="one line a column: average, interval, trials")
+    parser.add_argument("--summary", action="store_true", help="one line a column: average, interval, trials, and "
+                        "the samples it scored above / below the first column")
     parser.add_argument("--against", type=ruler_length, help="with --length: a line a method, its averages at this "
                         "length and at --length and their ratio (#53's 16k / 4k)")
     parser.add_argument("--costs", action="store_true", help="a line a file and length: peak memory, seconds, cache")
@@ -70,10 +71,7 @@ def main() -> None:
     tasks = sorted({task for task, _, _ in shared}, key=lambda t: (t.startswith("niah") is False, t))
     print(f"{len(shared)} samples ({len(tasks)} tasks) read by every column\n")
     if args.summary:
-        print("| column | average (95% CI) | trials |\n| --- | ---: | ---: |")
-        for column in columns:
-            print(f"| {column} | {mean_interval(list(cells[column].values()))} | {len(cells[column])} |")
-        return
+        return print_summary(cells, columns)
     print("| task | " + " | ".join(columns) + " |")
     print("| --- |" + " ---: |" * len(columns))
     for task in tasks:
@@ -84,6 +82,19 @@ def main() -> None:
         print(f"| {task} | " + " | ".join(means) + " |")
     averages = [mean_interval(list(cells[column].values())) for column in columns]
     print("| average (95% CI) | " + " | ".join(averages) + " |")
+
+
+def print_summary(cells: dict[str, dict[tuple, float]], columns: list[str]) -> None:
+    """A line a column: average, interval, trials, and on how many samples it scored above and below the first
+    column; the counts pair each sample with itself, so two settings on the same samples show which samples moved."""
+    first = cells[columns[0]]
+    print("| column | average (95% CI) | trials | samples higher / lower than the first |")
+    print("| --- | ---: | ---: | ---: |")
+    for column in columns:
+        scores = cells[column]
+        moved = "" if column == columns[0] else (f"{sum(scores[k] > first[k] for k in scores)} / "
+                                                 f"{sum(scores[k] < first[k] for k in scores)}")
+        print(f"| {column} | {mean_interval(list(scores.values()))} | {len(scores)} | {moved} |")
 
 
 def shared_cells(rows: list[dict]) -> dict[str, dict[tuple, float]]:
