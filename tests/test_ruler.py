@@ -387,8 +387,7 @@ def test_the_table_script_keeps_one_length_and_summarises_a_column_a_line(tmp_pa
     better = tmp_path / "better.jsonl"  # the same samples at another cache: one sample up, none down
     better.write_text(path.read_text().replace('"cache": 1024', '"cache": 2048')
                       .replace('"score": 0.0', '"score": 1.0'))
-    paired = subprocess.run([sys.executable, str(script), str(path), str(better), "--length", "16k", "--summary"],
-                            capture_output=True, text=True, check=True).stdout
+    paired = table(str(better), "--length", "16k", "--summary")
     assert "| treekv cache 1024 | **50.0** (" in paired and "| 2 |  |" in paired
     assert "| treekv cache 2048 | **100.0** (" in paired and "| 2 | 1 / 0 |" in paired
     other = tmp_path / "other.jsonl"  # a column of another length shares no sample with the first: one line
