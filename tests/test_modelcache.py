@@ -263,6 +263,25 @@ def test_weights_that_fail_to_load_are_rebuilt_with_one_warning(tiny_gguf, cache
     assert len(complete_entries()) == 1
 
 
+@pytest.mark.parametrize(("dtype", "fast", "warned"), [("bfloat16", False, True), ("bfloat16", True, False),
+                                                     ("float32", False, False)])
+def test_bf16_on_a_cpu_that_emulates_it_is_named_in_one_line(tiny_gguf, cache, monkeypatch, dtype, fast, warned):
+    """Asking for bf16 where the CPU has no AMX or AVX512-BF16 still loads in bf16, after one line saying why the
+    read will be slow; where bf16 is native, or the dtype is float32, nothing is said."""
+    import torch
+
+    from kvcli.models import load
+
+    monkeypatch.setattr(load, "cpu_has_fast_bf16", lambda: fast)
+    messages: list[str] = []
+    loaded = load_fresh(tiny_gguf, dtype, warn=messages.append)
+    assert next(loaded.model.parameters()).dtype == getattr(torch, dtype)
+    if warned:
+        assert len(messages) == 1 and "emulated" in messages[0] and "--dtype bfloat16" in messages[0], messages
+    else:
+        assert messages == []
+
+
 def test_a_cache_that_cannot_be_written_is_skipped_with_one_notice(tiny_gguf, tmp_path, monkeypatch):
     """A cache path that cannot be created (here: under a file, which stops root too) loads the GGUF directly."""
     blocker = tmp_path / "a-file"

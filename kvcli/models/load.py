@@ -133,6 +133,12 @@ def cpu_has_fast_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def slow_cpu_dtype(dtype: torch.dtype, device: torch.device) -> bool:
+    """True for bf16 on a CPU that only emulates it: a user who asks for bf16 there (as on a machine where it was
+    fast) should hear why a read takes many times longer, not find out from the clock."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bf16()
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -233,6 +239,9 @@ def _load_model(spec: str, *, device: str, dtype: str, device_map: str | None, l
     quiet_transformers()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if slow_cpu_dtype(torch_dtype, torch_device):
+        warn(f"--dtype {dtype}: this CPU has no AMX or AVX512-BF16, so bf16 arithmetic is emulated and runs many "
+             f"times slower than float32 (--dtype auto picks float32 here)")
     if device_map is not None and torch_device.type != "cuda":
         raise KvcliError("--device-map needs CUDA GPUs (accelerate places layers across them)")
     kwargs: dict = {"dtype": torch_dtype, **SAFE_LOADING,
