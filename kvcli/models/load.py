@@ -124,8 +124,10 @@ def source_path(spec: str, warn: Callable[[str], None] | None = None) -> Path:
     return Path(os.path.expanduser(spec))
 
 
+@functools.cache
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16): only there is bf16 faster than fp32."""
+    """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16): only there is bf16 faster than fp32.
+    Read once a process: a load asks twice (choosing ``auto``, then checking the choice), and the CPU stays."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
